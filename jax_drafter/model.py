@@ -1,0 +1,163 @@
+"""The DFlash drafter as a Flax NNX model (z-lab / Qwen3 layout, module names as in the checkpoint).
+
+Parameters are float32 master weights; every matmul casts to `compute_dtype` and accumulates in
+f32; RMSNorm and softmax statistics run in f32. The frozen target embedding and LM head are not
+parameters of this module: they are passed in as arrays (no gradient is ever formed for them).
+Letters as in config.py: B, S, N, K, Q = N*K, D, F, Hq, Hkv, Dh, I.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_drafter.config import DrafterConfig
+from pallas_kernels.dflash_attention.api import dflash_attention
+
+
+class Linear(nnx.Module):
+  """y = x @ weight, weight stored [in, out] (the checkpoint stores [out, in])."""
+
+  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, compute_dtype=jnp.float32):
+    std = 0.02
+    self.weight = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * std)
+    self.compute_dtype = compute_dtype
+
+  def __call__(self, x):
+    cd = self.compute_dtype
+    return jnp.matmul(x.astype(cd), self.weight[...].astype(cd),
+                      preferred_element_type=jnp.float32).astype(cd)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, compute_dtype=jnp.float32):
+    self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+    self.compute_dtype = compute_dtype
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.weight[...]).astype(self.compute_dtype)
+
+
+def rope(x_BxTxHxDh, pos_BxT, theta: float):
+  """Rotary embedding, rotate-half (non-interleaved) convention of Llama/Qwen3, angles in f32."""
+  dh = x_BxTxHxDh.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  ang = pos_BxT.astype(jnp.float32)[..., None] * inv_freq          # [B, T, Dh/2]
+  cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None, :]
+  sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None, :]
+  x = x_BxTxHxDh.astype(jnp.float32)
+  x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+  rot = jnp.concatenate([-x2, x1], -1)
+  return (x * cos + rot * sin).astype(x_BxTxHxDh.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: DrafterConfig, layer: int, *, rngs: nnx.Rngs, compute_dtype):
+    D, Hq, Hkv, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    kw = dict(rngs=rngs, compute_dtype=compute_dtype)
+    self.q_proj = Linear(D, Hq * Dh, **kw)
+    self.k_proj = Linear(D, Hkv * Dh, **kw)
+    self.v_proj = Linear(D, Hkv * Dh, **kw)
+    self.o_proj = Linear(Hq * Dh, D, **kw)
+    self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, compute_dtype)
+    self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, compute_dtype)
+    self.shape = (Hq, Hkv, Dh)
+    self.window = cfg.window(layer)
+    self.block_size = cfg.block_size
+    self.theta = cfg.rope_theta
+
+  def __call__(self, x_BxQxD, ctx_BxSxD, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN, doc_start_BxN,
+               block_valid_BxN, attn_impl):
+    Hq, Hkv, Dh = self.shape
+    B, Q, _ = x_BxQxD.shape
+    S = ctx_BxSxD.shape[1]
+    q = self.q_norm(self.q_proj(x_BxQxD).reshape(B, Q, Hq, Dh))
+    # Context and block K/V come from the same projections and are never concatenated.
+    k_ctx = self.k_norm(self.k_proj(ctx_BxSxD).reshape(B, S, Hkv, Dh))
+    v_ctx = self.v_proj(ctx_BxSxD).reshape(B, S, Hkv, Dh)
+    k_blk = self.k_norm(self.k_proj(x_BxQxD).reshape(B, Q, Hkv, Dh))
+    v_blk = self.v_proj(x_BxQxD).reshape(B, Q, Hkv, Dh)
+    q = rope(q, blk_pos_BxQ, self.theta)
+    k_ctx = rope(k_ctx, ctx_pos_BxS, self.theta)
+    k_blk = rope(k_blk, blk_pos_BxQ, self.theta)
+    o = dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors_BxN, doc_start_BxN,
+                         block_valid_BxN, block_size=self.block_size, window=self.window,
+                         scale=Dh ** -0.5, **attn_impl)
+    return self.o_proj(o.reshape(B, Q, Hq * Dh))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, compute_dtype):
+    kw = dict(rngs=rngs, compute_dtype=compute_dtype)
+    self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+    self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+    self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: DrafterConfig, layer: int, *, rngs: nnx.Rngs, compute_dtype):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, compute_dtype)
+    self.self_attn = Attention(cfg, layer, rngs=rngs, compute_dtype=compute_dtype)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, compute_dtype)
+    self.mlp = MLP(cfg, rngs=rngs, compute_dtype=compute_dtype)
+
+  def __call__(self, x, ctx, ctx_pos, blk_pos, anchors, doc_start, block_valid, attn_impl):
+    h = x + self.self_attn(self.input_layernorm(x), ctx, ctx_pos, blk_pos, anchors, doc_start,
+                           block_valid, attn_impl)
+    return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _remat_policy(remat: str):
+  if remat == "offload":
+    # Saved matmul outputs go to pinned host memory and come back for the backward.
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  return jax.checkpoint_policies.nothing_saveable
+
+
+class Drafter(nnx.Module):
+  def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, compute_dtype=jnp.float32):
+    self.config = cfg
+    self.compute_dtype = compute_dtype
+    n = len(cfg.target_layer_ids)
+    self.fc = Linear(n * cfg.hidden_size, cfg.hidden_size, rngs=rngs, compute_dtype=compute_dtype)
+    self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, compute_dtype)
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, compute_dtype=compute_dtype)
+                            for i in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, compute_dtype)
+
+  def __call__(self, noise_emb_BxQxD, target_feat_BxSxF, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN,
+               doc_start_BxN, block_valid_BxN, *, remat: str = "none",
+               attn_impl: dict | None = None, return_layers: bool = False):
+    """Returns the final-normed block hidden states [B, Q, D] (and per-layer outputs if asked)."""
+    attn_impl = attn_impl or {}
+    ctx = self.hidden_norm(self.fc(target_feat_BxSxF))
+    x = noise_emb_BxQxD.astype(self.compute_dtype)
+    args = (ctx, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN, doc_start_BxN, block_valid_BxN)
+
+    def run_layer(layer, x, *args):
+      return layer(*((x,) + args), attn_impl)
+
+    def run_all(layers, x, *args):
+      outs = []
+      for layer in layers:
+        step = run_layer
+        if remat in ("layer", "offload"):
+          step = nnx.remat(run_layer, policy=_remat_policy(remat))
+        x = step(layer, x, *args)
+        outs.append(x)
+      return x, outs
+
+    if remat == "full":
+      x, outs = nnx.remat(run_all, policy=jax.checkpoint_policies.nothing_saveable)(
+          self.layers, x, *args)
+    else:
+      x, outs = run_all(self.layers, x, *args)
+    h = self.norm(x)
+    return (h, outs) if return_layers else h

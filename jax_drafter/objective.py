@@ -1,0 +1,154 @@
+"""The DFlash training objective as pure functions of arrays (DESIGN.md, "The DFlash contract").
+
+Anchors -> noise blocks -> positions -> labels and decay weights -> chunked cross entropy against
+the frozen LM head -> loss, accuracy and accepted-length metrics. Letters as in config.py.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Blocks(NamedTuple):
+  anchors: jax.Array       # int32 [B, N], valid ones sorted ascending, invalid ones 0 at the end
+  block_valid: jax.Array   # bool [B, N]
+  doc_start: jax.Array     # int32 [B, N], first index of the anchor's document
+  noise_ids: jax.Array     # int32 [B, Q]: [ids[a], MASK, ..., MASK] per block (all MASK if invalid)
+  positions: jax.Array     # int32 [B, Q]: pos[a] + k
+  labels: jax.Array        # int32 [B, Q]: ids[a + k] (clamped inside the row)
+  weights: jax.Array       # f32 [B, Q]: the loss weight w of the contract (0 at k = 0)
+
+
+def anchor_candidates(loss_mask_BxS, doc_id_BxS):
+  """bool [B, S]: p is a candidate iff loss_mask[p] == loss_mask[p+1] == 1 in the same document."""
+  lm = loss_mask_BxS.astype(bool)
+  ok = lm[:, :-1] & lm[:, 1:] & (doc_id_BxS[:, :-1] == doc_id_BxS[:, 1:])
+  return jnp.pad(ok, ((0, 0), (0, 1)))
+
+
+def document_starts(doc_id_BxS):
+  """int32 [B, S]: index of the first token of each token's document."""
+  S = doc_id_BxS.shape[1]
+  idx = jnp.arange(S, dtype=jnp.int32)[None]
+  is_start = jnp.concatenate([jnp.ones_like(doc_id_BxS[:, :1], bool),
+                              doc_id_BxS[:, 1:] != doc_id_BxS[:, :-1]], axis=1)
+  return jax.lax.cummax(jnp.where(is_start, idx, 0), axis=1)
+
+
+def sample_anchors(key, loss_mask_BxS, doc_id_BxS, num_anchors: int):
+  """N anchors per row uniformly without replacement among the candidates, sorted.
+
+  Returns (anchors int32 [B, N], block_valid bool [B, N]). Rows with fewer than N candidates get
+  invalid blocks (anchor 0) at the end.
+  """
+  B, S = loss_mask_BxS.shape
+  if num_anchors > S:
+    raise ValueError(f"{num_anchors=} exceeds the sequence length {S}")
+  cand = anchor_candidates(loss_mask_BxS, doc_id_BxS)
+  # Uniform sampling without replacement = the N smallest of i.i.d. uniforms over the candidates.
+  u = jax.random.uniform(key, (B, S))
+  score = jnp.where(cand, 1.0 - u, -1.0)            # candidates in (0, 1], others -1
+  top, idx = jax.lax.top_k(score, num_anchors)
+  valid = top > 0
+  sort_key = jnp.where(valid, idx, S + idx)         # valid first, ascending
+  order = jnp.argsort(sort_key, axis=1)
+  anchors = jnp.take_along_axis(jnp.where(valid, idx, 0), order, axis=1).astype(jnp.int32)
+  return anchors, jnp.take_along_axis(valid, order, axis=1)
+
+
+def build_blocks(anchors_BxN, block_valid_BxN, input_ids_BxS, loss_mask_BxS, doc_id_BxS,
+                 position_ids_BxS, *, block_size: int, mask_token_id: int,
+                 gamma: float | None) -> Blocks:
+  """Noise ids, positions, labels and loss weights of every block (DESIGN contract)."""
+  B, S = input_ids_BxS.shape
+  N, K = anchors_BxN.shape[1], block_size
+  k = jnp.arange(K, dtype=jnp.int32)
+  a = anchors_BxN[:, :, None]                                        # [B, N, 1]
+  tgt = a + k                                                         # [B, N, K]
+  inside = tgt < S
+  tgt_c = jnp.minimum(tgt, S - 1).reshape(B, N * K)
+  take = lambda x: jnp.take_along_axis(x, tgt_c, axis=1).reshape(B, N, K)
+  labels = take(input_ids_BxS)
+  same_doc = take(doc_id_BxS) == jnp.take_along_axis(doc_id_BxS, anchors_BxN, axis=1)[:, :, None]
+  supervised = take(loss_mask_BxS).astype(bool)
+  if gamma:
+    decay = jnp.exp(-(k.astype(jnp.float32) - 1.0) / gamma)
+  else:
+    decay = jnp.ones((K,), jnp.float32)
+  decay = jnp.where(k >= 1, decay, 0.0)
+  valid = block_valid_BxN[:, :, None]
+  weights = (valid & inside & same_doc & supervised).astype(jnp.float32) * decay
+
+  first = jnp.take_along_axis(input_ids_BxS, anchors_BxN, axis=1)    # [B, N]
+  noise = jnp.full((B, N, K), mask_token_id, jnp.int32)
+  noise = noise.at[:, :, 0].set(jnp.where(block_valid_BxN, first, mask_token_id))
+  pos0 = jnp.take_along_axis(position_ids_BxS, anchors_BxN, axis=1)
+  positions = pos0[:, :, None] + k
+  doc_start = jnp.take_along_axis(document_starts(doc_id_BxS), anchors_BxN, axis=1)
+  flat = lambda x: x.reshape(B, N * K)
+  return Blocks(anchors_BxN.astype(jnp.int32), block_valid_BxN,
+                jnp.where(block_valid_BxN, doc_start, 0).astype(jnp.int32),
+                flat(noise), flat(positions).astype(jnp.int32), flat(labels).astype(jnp.int32),
+                flat(weights))
+
+
+def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
+                          compute_dtype=jnp.float32):
+  """Per-token CE and argmax against a frozen LM head, `chunk_size` tokens of logits at a time.
+
+  Each chunk's [C, V] logits are recomputed in the backward (jax.checkpoint), so at most one
+  chunk of logits is alive at once, forward or backward. Returns (ce f32 [T], pred int32 [T]).
+  """
+  T, D = h_TxD.shape
+  C = min(chunk_size, T)
+  pad = (-T) % C
+  h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(-1, C, D)
+  y = jnp.pad(labels_T, (0, pad)).reshape(-1, C)
+  w = jax.lax.stop_gradient(lm_head_VxD).astype(compute_dtype)
+
+  @jax.checkpoint
+  def chunk(h_CxD, y_C):
+    logits_CxV = jnp.matmul(h_CxD.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits_CxV, axis=-1)
+    gold = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
+    pred = jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32)
+    return lse - gold, pred
+
+  ce, pred = jax.lax.map(lambda args: chunk(*args), (h, y))
+  return ce.reshape(-1)[:T], pred.reshape(-1)[:T]
+
+
+class Sums(NamedTuple):
+  """Additive statistics of a micro-batch; the loss is wce / w over the global batch."""
+  wce: jax.Array          # sum(CE * w)
+  w: jax.Array            # sum(w)
+  correct: jax.Array      # sum([argmax == label] * [w > 0])
+  counted: jax.Array      # sum([w > 0])
+  accept: jax.Array       # sum over valid blocks of the accepted-prefix length
+  blocks: jax.Array       # number of valid blocks
+
+
+def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int) -> Sums:
+  B, Q = ce_BxQ.shape
+  w = blocks.weights
+  on = w > 0
+  correct = (pred_BxQ == blocks.labels) & on
+  # Accepted prefix: leading correct positions among k = 1..K-1 (a position past the document end
+  # or unsupervised stops the chain: it cannot be accepted as a training-time estimate).
+  c = correct.reshape(B, -1, block_size)[:, :, 1:]
+  accept = jnp.cumprod(c.astype(jnp.int32), axis=-1).sum(-1)
+  valid = blocks.block_valid
+  return Sums(jnp.sum(ce_BxQ * w), jnp.sum(w), jnp.sum(correct).astype(jnp.float32),
+              jnp.sum(on).astype(jnp.float32),
+              jnp.sum(jnp.where(valid, accept, 0)).astype(jnp.float32),
+              jnp.sum(valid).astype(jnp.float32))
+
+
+def metrics_from_sums(s: Sums) -> dict[str, jax.Array]:
+  safe = lambda x: jnp.maximum(x, 1e-9)
+  return {"loss": s.wce / safe(s.w), "accuracy": s.correct / safe(s.counted),
+          "tau_estimate": s.accept / safe(s.blocks) + 1.0,
+          "supervised_tokens": s.counted, "valid_blocks": s.blocks}

@@ -1,0 +1,132 @@
+"""The jitted train step: (state, batch, frozen) -> (state, metrics). Pure; no loop logic here.
+
+batch: dict of [A, B, S] int32 arrays (A = gradient-accumulation micro-steps) input_ids,
+loss_mask, doc_id, position_ids, and `features` [A, B, S, F] (target hidden states, imported
+through DLPack: never donated). frozen: {"embed": [V, D], "lm_head": [V, D]} (never donated).
+The loss is sum(CE * w) / sum(w) with sum(w) over the whole global batch (all micro-steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jax_drafter import objective
+from jax_drafter.config import DrafterConfig, TrainSection
+from jax_drafter.model import Drafter
+
+DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class TrainState(NamedTuple):
+  step: jax.Array      # int32 scalar: optimizer steps taken
+  params: Any          # nnx.State of float32 master weights
+  opt_state: Any
+  rng: jax.Array       # base key; step t uses fold_in(rng, t): resume reproduces the same anchors
+
+
+def make_optimizer(t: TrainSection) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
+      decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
+  # No weight decay on norm weights (1-D).
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+  return optax.chain(
+      optax.clip_by_global_norm(t.grad_clip),
+      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+
+
+def learning_rate(t: TrainSection, step):
+  return optax.warmup_cosine_decay_schedule(
+      0.0, t.learning_rate, t.warmup_steps, max(t.steps, t.warmup_steps + 1),
+      t.learning_rate * t.min_lr_ratio)(step)
+
+
+def init_state(cfg: DrafterConfig, t: TrainSection, optimizer) -> tuple[Any, TrainState]:
+  model = Drafter(cfg, rngs=nnx.Rngs(t.seed), compute_dtype=DTYPE[t.compute_dtype])
+  graphdef, params = nnx.split(model, nnx.Param)
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                     jax.random.key_data(jax.random.key(t.seed + 1)))
+  return graphdef, state
+
+
+def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: DrafterConfig,
+               t: TrainSection, attn_impl: dict | None = None, return_aux: bool = False,
+               anchors: tuple | None = None):
+  """Forward of one micro-batch -> additive Sums (and the blocks/hidden states if asked).
+
+  anchors: optional (anchors [B, N], block_valid [B, N]) used instead of sampling with `key`
+  (parity feeds the same anchors to the PyTorch reference).
+  """
+  model = nnx.merge(graphdef, params)
+  if anchors is None:
+    anchors, valid = objective.sample_anchors(key, micro["loss_mask"], micro["doc_id"],
+                                              t.num_anchors)
+  else:
+    anchors, valid = anchors
+  blocks = objective.build_blocks(
+      anchors, valid, micro["input_ids"], micro["loss_mask"], micro["doc_id"],
+      micro["position_ids"], block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+      gamma=t.loss_decay_gamma)
+  cd = DTYPE[t.compute_dtype]
+  embed = jax.lax.stop_gradient(frozen["embed"])
+  noise_emb = jnp.take(embed, blocks.noise_ids, axis=0).astype(cd)
+  h = model(noise_emb, micro["features"].astype(cd), micro["position_ids"], blocks.positions,
+            blocks.anchors, blocks.doc_start, blocks.block_valid, remat=t.remat,
+            attn_impl=attn_impl)
+  B, Q, D = h.shape
+  ce, pred = objective.chunked_cross_entropy(h.reshape(B * Q, D), frozen["lm_head"],
+                                             blocks.labels.reshape(-1), chunk_size=t.ce_chunk_size,
+                                             compute_dtype=cd)
+  sums = objective.block_sums(ce.reshape(B, Q), pred.reshape(B, Q), blocks, cfg.block_size)
+  if return_aux:
+    return sums, (blocks, h, ce.reshape(B, Q), pred.reshape(B, Q))
+  return sums
+
+
+def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
+                    attn_impl: dict | None = None):
+  def loss_fn(params, micro, frozen, key):
+    sums = micro_sums(graphdef, params, micro, frozen, key, cfg=cfg, t=t, attn_impl=attn_impl)
+    return sums.wce, sums
+
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+
+  def train_step(state: TrainState, batch: dict, frozen: dict):
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    A = batch["input_ids"].shape[0]
+
+    def accumulate(carry, xs):
+      g_acc, s_acc = carry
+      micro, i = xs
+      g, sums = grad_fn(state.params, micro, frozen, jax.random.fold_in(key, i))
+      return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, sums)), None
+
+    zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+    zeros_s = objective.Sums(*([jnp.zeros((), jnp.float32)] * len(objective.Sums._fields)))
+    (g, sums), _ = jax.lax.scan(accumulate, (zeros_g, zeros_s), (batch, jnp.arange(A)))
+    # Normalise by the global sum of weights: sum(CE*w)/sum(w) over the whole batch.
+    g = jax.tree.map(lambda x: x / jnp.maximum(sums.w, 1e-9), g)
+    updates, opt_state = optimizer.update(g, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = objective.metrics_from_sums(sums)
+    grad_norm = optax.global_norm(g)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    # A non-finite step leaves the state untouched; the loop stops the run on `finite == False`.
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = TrainState(state.step + finite.astype(jnp.int32), keep(params, state.params),
+                           keep(opt_state, state.opt_state), state.rng)
+    metrics.update(grad_norm=grad_norm, finite=finite, lr=learning_rate(t, state.step))
+    return new_state, metrics
+
+  return train_step
+
+
+def jit_train_step(train_step):
+  # State is donated (its buffers are reused for the new state); batch and frozen arrays are not:
+  # features and frozen weights may be DLPack imports that torch still owns.
+  return jax.jit(train_step, donate_argnums=0)

@@ -1,0 +1,110 @@
+"""python -m jax_drafter.train: train a DFlash drafter (default: SmolLM2-135M on ShareGPT, CPU).
+
+Examples:
+  python -m jax_drafter.train                                  # the built-in default run
+  python -m jax_drafter.train --config configs/smollm2.yaml train.steps=50
+  python -m jax_drafter.train --config my.yaml --set train.output_dir=runs/x --memory-report runs/x/mem
+Rerunning the same command with the same output_dir resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before JAX initialises: never grab all GPU memory up front (the target shares the machine).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import logging
+import sys
+import time
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "configs", "smollm2.yaml")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jax_drafter.train", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default=None,
+                 help=f"YAML run config (default: {os.path.relpath(DEFAULT_CONFIG)})")
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="override config values, e.g. train.steps=100 data.seq_len=256")
+  p.add_argument("--set", dest="more", action="append", default=[], metavar="section.key=value",
+                 help="same as a positional override (repeatable)")
+  p.add_argument("--memory-report", metavar="DIR", default=None,
+                 help="write the XLA memory report of the step to DIR and log predicted vs "
+                      "measured peak at step 1")
+  p.add_argument("--no-export", action="store_true", help="skip the z-lab export at the end")
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  return p
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                      datefmt="%H:%M:%S")
+  for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  log = logging.getLogger("jax_drafter.train")
+
+  import jax  # noqa: F401  (initialise JAX before torch touches CUDA)
+  from jax_drafter.config import ConfigError, load_config
+  from jax_drafter import trainer
+
+  t0 = time.time()
+  try:
+    cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides) + list(args.more))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  import yaml
+  log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+  progress = None if args.quiet else _tqdm_progress()
+  try:
+    summary = trainer.train(cfg, progress=progress, memory_report=args.memory_report)
+  except (trainer.TrainingError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  out = cfg.train.output_dir
+  if not args.no_export and summary["final_step"] > 0:
+    from jax_drafter.export import write_zlab
+    export_dir = cfg.train.export_dir or os.path.join(out, "export")
+    write_zlab(export_dir, summary["drafter_config"], summary["params"])
+    log.info("exported z-lab drafter to %s", export_dir)
+  first, last = summary["first"], summary["last"]
+  if first and last:
+    log.info("done in %.0f s: step %d, loss %.4f -> %.4f, accuracy %.3f -> %.3f, tau estimate "
+             "%.2f -> %.2f", time.time() - t0, summary["final_step"], first["loss"], last["loss"],
+             first["accuracy"], last["accuracy"], first["tau_estimate"], last["tau_estimate"])
+  if cfg.train.eval_prompts and summary["held_out"]:
+    from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
+    report = evaluate_tau(summary["target"], summary["drafter_config"], summary["graphdef"],
+                          summary["params"],
+                          prompts_from_conversations(summary["held_out"][: cfg.train.eval_prompts]),
+                          max_new_tokens=64)
+    log.info("speculative decoding on %d held-out prompts: tau %.3f (training estimate %.2f)",
+             cfg.train.eval_prompts, report["tau"], last["tau_estimate"] if last else float("nan"))
+  return 130 if summary.get("interrupted") else 0
+
+
+def _tqdm_progress():
+  from tqdm import tqdm
+  from jax_drafter.trainer import Progress
+  bar = {}
+
+  def start(first, total):
+    bar["b"] = tqdm(total=total, initial=first, unit="step", dynamic_ncols=True)
+
+  def update(step, m):
+    b = bar["b"]
+    b.update(step - b.n)
+    b.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}",
+                  tau=f"{m['tau_estimate']:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+
+  return Progress(start=start, update=update, close=lambda: bar.get("b") and bar["b"].close())
+
+
+if __name__ == "__main__":
+  sys.exit(main())

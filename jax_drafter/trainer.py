@@ -1,0 +1,246 @@
+"""The training loop: feeds batches, logs, checkpoints. All step logic lives in step.py.
+
+Order of work per iteration: host batch -> target forward (torch) -> DLPack handoff -> dispatch
+step t -> read step t-1's metrics (this overlaps the target forward of step t with the drafter
+step t-1 on the device) -> log -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_drafter import checkpoint as ckpt
+from jax_drafter import data as data_lib
+from jax_drafter import step as step_lib
+from jax_drafter.config import DrafterConfig, RunConfig, resolve_drafter
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+  pass
+
+
+@dataclasses.dataclass
+class Progress:
+  """Callbacks for the CLI's progress display (the library itself only logs)."""
+  start: Callable[[int, int], None] = lambda first, total: None
+  update: Callable[[int, dict], None] = lambda step, metrics: None
+  close: Callable[[], None] = lambda: None
+
+
+def _attn_impl(t) -> dict:
+  return {"implementation": t.attention} if t.attention else {}
+
+
+def setup(cfg: RunConfig):
+  """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it."""
+  from bridge import target as target_lib
+  tc = cfg.target
+  target = target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype,
+                                  device=tc.device, trust_remote_code=tc.trust_remote_code)
+  mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
+             else target_lib.choose_mask_token_id(target))
+  dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
+  target.check_layer_ids(dcfg.target_layer_ids)
+  target_lib.check_mask_token_id(target, dcfg.mask_token_id)
+  regen, regen_key = None, ""
+  if cfg.data.regenerate:
+    from bridge import regenerate as regen_lib
+    regen_key = json.dumps({"target": target.name, "max_new": cfg.data.regenerate_max_new_tokens})
+    cache_path = os.path.join(cfg.data.cache_dir or cfg.train.output_dir, "regenerated.jsonl")
+    regen = lambda convs: regen_lib.regenerate_conversations(
+        target.model, target.tokenizer, convs, max_new_tokens=cfg.data.regenerate_max_new_tokens,
+        cache_path=cache_path, seed=cfg.data.seed)
+  ds = data_lib.build_dataset(
+      target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
+      held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
+      regenerate=regen, regenerate_key=regen_key)
+  return target, dcfg, ds
+
+
+class _Interrupt:
+  """Turns the first Ctrl-C into a flag the loop checks (a checkpoint is written before exit)."""
+
+  def __init__(self):
+    self.hit = False
+
+  def __enter__(self):
+    self.prev = signal.signal(signal.SIGINT, self._handler)
+    return self
+
+  def _handler(self, *_):
+    if self.hit:  # second Ctrl-C: give up on a clean exit
+      raise KeyboardInterrupt
+    self.hit = True
+    log.warning("interrupt: finishing the current step, saving a checkpoint, then exiting "
+                "(Ctrl-C again to abort without saving)")
+
+  def __exit__(self, *exc):
+    signal.signal(signal.SIGINT, self.prev)
+
+
+def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: str | None = None,
+          stop_after: int | None = None) -> dict[str, Any]:
+  """Run (or resume) training as configured. Returns a summary dict.
+
+  stop_after: stop (with a checkpoint) after this many steps of this invocation (tests use it to
+  simulate an interruption).
+  """
+  from bridge.handoff import Handoff, fresh_for_import, to_jax
+
+  progress = progress or Progress()
+  t = cfg.train
+  out = t.output_dir
+  os.makedirs(out, exist_ok=True)
+  target, dcfg, ds = setup(cfg)
+  log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
+  A, B = t.grad_accum, cfg.data.batch_size
+  optimizer = step_lib.make_optimizer(t)
+  graphdef, state = step_lib.init_state(dcfg, t, optimizer)
+  batches = data_lib.BatchIterator(ds.rows, B, seed=cfg.data.seed)
+  mngr = ckpt.manager(out, keep=t.keep_checkpoints)
+  if mngr.latest_step() is not None:
+    _, meta = ckpt.read_meta(mngr)
+    saved = DrafterConfig.from_zlab(meta["drafter_config"])
+    if saved != dcfg:
+      diff = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
+      raise TrainingError(f"{out}/checkpoints holds a drafter with a different architecture "
+                          f"(fields {diff}); use another train.output_dir or the same config")
+    state, meta = ckpt.restore(mngr, state)
+    batches.load_state_dict(meta["data"])
+    log.info("resumed from %s at step %d", mngr.directory, int(state.step))
+  ckpt.save_json(os.path.join(out, "config.json"),
+                 {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
+
+  # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
+  keep = Handoff()
+  embed_t = fresh_for_import(target.embedding, name="embedding")
+  frozen = {"embed": keep.put(embed_t, name="embedding")}
+  head_t = target.lm_head
+  frozen["lm_head"] = (frozen["embed"] if head_t.data_ptr() == target.embedding.data_ptr()
+                       else keep.put(fresh_for_import(head_t, name="lm_head"), name="lm_head"))
+  step_fn = step_lib.jit_train_step(
+      step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)))
+
+  def next_batch():
+    micro = [next(batches) for _ in range(A)]
+    host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+    feats = [target.features(m["input_ids"], m["position_ids"], m["doc_id"], dcfg.target_layer_ids)
+             for m in micro]
+    feats_t = feats[0].unsqueeze(0) if A == 1 else __import__("torch").stack(feats)
+    return host, feats_t
+
+  metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
+  writer = None
+  if t.tensorboard:
+    from tensorboardX import SummaryWriter
+    writer = SummaryWriter(os.path.join(out, "tensorboard"))
+  tokens_per_step = A * B * cfg.data.seq_len
+  first = int(state.step)
+  total = t.steps
+  summary: dict[str, Any] = {"output_dir": out, "start_step": first}
+  data_state = batches.state_dict()     # iterator position matching `state`
+  last_saved = first if first else None
+  pending = None                        # (step index, metrics, handoff, data_state, t_dispatch)
+  t_prev = time.time()
+  history: list[dict] = []
+
+  def save():
+    nonlocal last_saved
+    s = ckpt.save(mngr, state, {"drafter_config": dcfg.to_zlab(), "run_config": cfg.to_dict(),
+                                "data": data_state, "history_tail": history[-5:]})
+    last_saved = s
+    log.info("checkpoint step %d -> %s", s, mngr.directory)
+
+  def finish(p):
+    nonlocal t_prev
+    i, metrics, h, _, _ = p
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    h.release_after()
+    now = time.time()
+    m["tokens_per_s"] = tokens_per_step / max(now - t_prev, 1e-9)
+    t_prev = now
+    m["step"] = i + 1
+    if not m.pop("finite"):
+      raise TrainingError(
+          f"loss or gradients became NaN/Inf at step {i + 1} (loss={m['loss']}, grad_norm="
+          f"{m['grad_norm']}); that update was not applied and the run stopped. The last good "
+          f"state is saved in {mngr.directory}. Lower train.learning_rate or check the data, "
+          "then rerun the same command to resume.")
+    history.append(m)
+    progress.update(i + 1, m)
+    if (i + 1) % t.log_every == 0 or i + 1 == total or i == first:
+      log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f", i + 1, total,
+               m["loss"], m["accuracy"], m["tau_estimate"], m["lr"], m["grad_norm"], m["tokens_per_s"])
+    metrics_file.write(json.dumps(m) + "\n")
+    metrics_file.flush()
+    if writer is not None:
+      for k, v in m.items():
+        if k != "step":
+          writer.add_scalar(f"train/{k}", v, i + 1)
+
+  progress.start(first, total)
+  stop = first + stop_after if stop_after is not None else total
+  try:
+    with _Interrupt() as intr:
+      for i in range(first, min(total, stop)):
+        host, feats_t = next_batch()
+        h = Handoff()
+        batch = {k: jnp.asarray(v) for k, v in host.items()}
+        batch["features"] = h.put(feats_t, name="target features")
+        if i == first and memory_report:
+          from jax_drafter import memory
+          summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,
+                                                            memory_report)
+        state, metrics = step_fn(state, batch, frozen)
+        data_state = batches.state_dict()
+        if pending is not None:
+          finish(pending)
+        pending = (i, metrics, h, data_state, time.time())
+        if i == first and memory_report and "memory" in summary:
+          jax.block_until_ready(metrics)
+          stats = jax.local_devices()[0].memory_stats() or {}
+          summary["memory"]["measured_peak_bytes"] = stats.get("peak_bytes_in_use")
+          log.info("memory at step 1: predicted peak %.3f GiB, measured %s",
+                   summary["memory"].get("predicted_peak_bytes", 0) / 2**30,
+                   f"{stats['peak_bytes_in_use'] / 2**30:.3f} GiB" if "peak_bytes_in_use" in stats
+                   else "n/a on this backend")
+        if (i + 1) % t.checkpoint_every == 0 and i + 1 < total:
+          finish(pending)
+          pending = None
+          save()
+        if intr.hit:
+          break
+      if pending is not None:
+        finish(pending)
+        pending = None
+  finally:
+    # Reached on normal exit, Ctrl-C, and errors: the state in hand is always a good one
+    # (a non-finite step leaves it untouched), so it is saved unless it is already on disk.
+    try:
+      if pending is not None:
+        jax.block_until_ready(pending[1])
+      if int(state.step) != last_saved and int(state.step) > 0:
+        save()
+    finally:
+      metrics_file.close()
+      if writer is not None:
+        writer.close()
+      progress.close()
+  summary.update(final_step=int(state.step), last=history[-1] if history else None,
+                 first=history[0] if history else None, checkpoint=last_saved,
+                 drafter_config=dcfg, target=target, graphdef=graphdef, params=state.params,
+                 held_out=ds.held_out, interrupted=bool(intr.hit), data_stats=ds.stats)
+  return summary

@@ -1,0 +1,113 @@
+"""Public entry point of the DFlash attention op: validates inputs, then picks an implementation.
+
+implementation:
+  None         best available: the Pallas-Triton kernel on a CUDA GPU, else "xla".
+  "reference"  reference.py in f32 at HIGHEST precision (the oracle; slow, memory O(Q*S)).
+  "xla"        the same dense-mask math, matmuls in the input dtype, f32 softmax statistics.
+  "triton"     the Pallas-Triton kernel (triton.py); with interpret=True it runs on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.dflash_attention import reference
+
+IMPLEMENTATIONS = ("reference", "xla", "triton")
+
+
+def _check(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size, window):
+  """Shape/dtype checks that run before anything is compiled. Raises ValueError naming the input."""
+  for name, x in (("q", q), ("k_ctx", k_ctx), ("v_ctx", v_ctx), ("k_blk", k_blk), ("v_blk", v_blk)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be [batch, tokens, heads, head_dim], got shape {x.shape}")
+  B, Q, Hq, D = q.shape
+  _, S, Hkv, _ = k_ctx.shape
+  if block_size < 1:
+    raise ValueError(f"{block_size=} must be >= 1")
+  if window is not None and window < 1:
+    raise ValueError(f"{window=} must be >= 1 (or None for a full-attention layer)")
+  if Q % block_size:
+    raise ValueError(f"q has {Q} query tokens, not a multiple of {block_size=}")
+  N = Q // block_size
+  if Hkv == 0 or Hq % Hkv:
+    raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+  if v_ctx.shape != k_ctx.shape:
+    raise ValueError(f"v_ctx shape {v_ctx.shape} != k_ctx shape {k_ctx.shape}")
+  if k_blk.shape != (B, Q, Hkv, D):
+    raise ValueError(f"k_blk shape {k_blk.shape} must be {(B, Q, Hkv, D)} (batch, Q, Hkv, D of q/k_ctx)")
+  if v_blk.shape != k_blk.shape:
+    raise ValueError(f"v_blk shape {v_blk.shape} != k_blk shape {k_blk.shape}")
+  if k_ctx.shape[0] != B or k_ctx.shape[3] != D:
+    raise ValueError(f"k_ctx shape {k_ctx.shape} does not match q {q.shape} in batch or head_dim")
+  for name, x in (("anchors", anchors), ("doc_start", doc_start)):
+    if x.shape != (B, N):
+      raise ValueError(f"{name} shape {x.shape} must be (batch, anchors) = {(B, N)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+  if block_valid.shape != (B, N) or block_valid.dtype != jnp.bool_:
+    raise ValueError(f"block_valid must be bool of shape {(B, N)}, got {block_valid.dtype}{block_valid.shape}")
+  # Index values can only be checked when they are concrete (outside jit).
+  if not isinstance(anchors, jax.core.Tracer) and not isinstance(doc_start, jax.core.Tracer):
+    a, lo = np.asarray(anchors), np.asarray(doc_start)
+    bv = None if isinstance(block_valid, jax.core.Tracer) else np.asarray(block_valid)
+    sel = bv if bv is not None else np.ones_like(a, bool)
+    # a == S is allowed: at inference the context is exactly the tokens before the anchor.
+    if np.any(sel & ((a < 0) | (a > S))):
+      raise ValueError(f"anchors must lie in [0, {S}] (S = context length); got min {a.min()}, max {a.max()}")
+    if np.any(sel & ((lo < 0) | (lo > a))):
+      raise ValueError("doc_start must satisfy 0 <= doc_start <= anchor for every valid block")
+    for b in range(B):
+      row = a[b][sel[b]]
+      if np.any(np.diff(row) < 0):
+        raise ValueError(f"anchors of row {b} are not sorted; sort valid anchors ascending")
+
+
+def default_implementation() -> str:
+  try:
+    if jax.default_backend() == "gpu":
+      from pallas_kernels.dflash_attention import triton  # noqa: F401
+      return "triton"
+  except (ImportError, NotImplementedError):
+    pass
+  return "xla"
+
+
+def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
+                     block_size: int, window: int | None = None, scale: float | None = None,
+                     implementation: str | None = None, interpret: bool = False,
+                     backward: str | None = None):
+  """DFlash attention: queries of N anchor blocks over their context range and their own block.
+
+  q [B, N*K, Hq, D]; k_ctx/v_ctx [B, S, Hkv, D]; k_blk/v_blk [B, N*K, Hkv, D] (never concatenate
+  context and block K/V); anchors/doc_start int [B, N] (valid anchors sorted per row, 0 <= anchor <= S); block_valid
+  bool [B, N]; window None for a full-attention layer. Returns [B, N*K, Hq, D] in q's dtype.
+  """
+  _check(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size, window)
+  impl = implementation or default_implementation()
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={impl!r} is not one of {IMPLEMENTATIONS}")
+  anchors = anchors.astype(jnp.int32)
+  doc_start = doc_start.astype(jnp.int32)
+  if impl == "triton":
+    try:
+      from pallas_kernels.dflash_attention import triton
+      return triton.dflash_attention_triton(
+          q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
+          window=window, scale=scale, interpret=interpret, backward=backward)
+    except (ImportError, NotImplementedError):
+      if implementation is not None:
+        raise
+      impl = "xla"
+  if impl == "reference":
+    fn = functools.partial(reference.dflash_attention_reference, compute_dtype=jnp.float32,
+                           precision=jax.lax.Precision.HIGHEST)
+  else:
+    fn = functools.partial(reference.dflash_attention_reference, compute_dtype=q.dtype,
+                           precision=None)
+  return fn(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
+            window=window, scale=scale)
