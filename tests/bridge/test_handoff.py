@@ -1,0 +1,56 @@
+"""The DLPack handoff: zero-copy by pointer, dtype kept, bad tensors refused with a clear error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from bridge.handoff import Handoff, HandoffError, fresh_for_import, to_jax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_zero_copy_and_dtype_kept(dtype):
+  t = (torch.arange(4 * 64) % 7).to(dtype).reshape(4, 64)
+  a = to_jax(t)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  assert a.dtype == {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16,
+                     torch.int32: jnp.int32}[dtype]
+  np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.float().numpy())
+
+
+def test_non_contiguous_is_refused_with_a_clear_error():
+  t = torch.randn(16, 32).t()
+  with pytest.raises(HandoffError, match="not contiguous.*contiguous\\(\\)"):
+    to_jax(t, name="features")
+
+
+def test_misaligned_view_and_grad_and_int64_are_refused():
+  with pytest.raises(HandoffError, match="aligned"):
+    to_jax(torch.randn(65)[1:])
+  with pytest.raises(HandoffError, match="requires grad"):
+    to_jax(torch.randn(4, requires_grad=True))
+  with pytest.raises(HandoffError, match="int32"):
+    to_jax(torch.arange(8))
+
+
+def test_handoff_keeps_tensors_alive_until_results_are_ready():
+  h = Handoff()
+  t = torch.randn(8, 16)
+  x = h.put(t)
+  del t
+  y = jax.jit(lambda v: v * 2)(x)
+  assert len(h) == 1
+  h.release_after(y)
+  assert len(h) == 0
+  assert np.isfinite(np.asarray(y)).all()
+
+
+def test_fresh_for_import_copies_only_when_needed():
+  t = torch.randn(64, 64)
+  assert fresh_for_import(t).data_ptr() == t.data_ptr()   # no copy
+  view = torch.randn(64 * 64 + 1)[1:].view(64, 64)
+  fresh = fresh_for_import(view)
+  assert fresh.data_ptr() != view.data_ptr() and fresh.data_ptr() % 64 == 0
+  assert to_jax(fresh).unsafe_buffer_pointer() == fresh.data_ptr()
+  torch.testing.assert_close(fresh, view)

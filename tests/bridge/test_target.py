@@ -1,0 +1,73 @@
+"""The frozen target: layer capture, early stop, document isolation in packed rows, bad input."""
+
+import pytest
+import torch
+
+from bridge.target import (Target, TargetError, check_mask_token_id, choose_mask_token_id,
+                           load_target)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+  return load_target(tiny_target_dir, device="cpu")
+
+
+def test_capture_equals_hidden_states_of_a_plain_forward(tiny):
+  ids = torch.randint(0, 1000, (2, 10))
+  pos = torch.arange(10).repeat(2, 1)
+  doc = torch.zeros(2, 10, dtype=torch.long)
+  f = tiny.features(ids, pos, doc, [0, 2])
+  with torch.inference_mode():
+    hs = tiny.model(ids, output_hidden_states=True).hidden_states
+  torch.testing.assert_close(f, torch.cat([hs[1], hs[3]], -1))   # hidden_states[l+1] = layer l out
+  assert f.is_contiguous() and f.shape == (2, 10, 64)
+
+
+def test_layers_above_the_last_needed_one_never_run(tiny):
+  ran = []
+  hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+           for i, layer in enumerate(tiny.layers)]
+  try:
+    tiny.features(torch.randint(0, 1000, (1, 6)), torch.arange(6)[None],
+                  torch.zeros(1, 6, dtype=torch.long), [1])
+  finally:
+    for h in hooks:
+      h.remove()
+  assert ran == [0, 1]
+
+
+def test_packed_documents_never_see_each_other(tiny):
+  a, b = torch.randint(0, 1000, (1, 7)), torch.randint(0, 1000, (1, 5))
+  ids = torch.cat([a, b], 1)
+  doc = torch.tensor([[0] * 7 + [1] * 5])
+  pos = torch.tensor([list(range(7)) + list(range(5))])
+  packed = tiny.features(ids, pos, doc, [0, 3])
+  alone_a = tiny.features(a, torch.arange(7)[None], torch.zeros(1, 7, dtype=torch.long), [0, 3])
+  alone_b = tiny.features(b, torch.arange(5)[None], torch.zeros(1, 5, dtype=torch.long), [0, 3])
+  torch.testing.assert_close(packed[:, :7], alone_a, rtol=1e-5, atol=1e-5)
+  torch.testing.assert_close(packed[:, 7:], alone_b, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_ids_out_of_range(tiny):
+  with pytest.raises(TargetError, match="target layer id 4 is out of range.*4 decoder layers"):
+    tiny.check_layer_ids([1, 4])
+
+
+def test_mask_token_checks(tiny):
+  m = choose_mask_token_id(tiny)
+  check_mask_token_id(tiny, m)
+  tok = tiny.tokenizer
+  assert m not in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)
+  assert tok.convert_ids_to_tokens(m) not in (tok.chat_template or "")
+  with pytest.raises(TargetError, match="outside the target's embedding"):
+    check_mask_token_id(tiny, tiny.info.vocab_size)
+  word = tok.convert_tokens_to_ids(tok.tokenize("hello")[0])
+  with pytest.raises(TargetError, match="is a token the target emits"):
+    check_mask_token_id(tiny, word)
+
+
+def test_missing_target_directory_is_a_clear_error(tmp_path):
+  with pytest.raises(TargetError, match="not a directory"):
+    load_target(str(tmp_path / "nope"))
+  with pytest.raises(TargetError, match="no config.json"):
+    load_target(str(tmp_path))
