@@ -214,8 +214,9 @@ class TrainSection:
   keep_checkpoints: int = 2
   output_dir: str = "runs/default"
   export_dir: str | None = None     # None: <output_dir>/export
-  eval_every: int = 0               # 0: no in-training speculative-decoding evaluation
+  eval_every: int = 0               # > 0: also evaluate tau every this many steps
   eval_prompts: int = 0             # > 0: evaluate tau on this many held-out prompts at the end
+  eval_max_new_tokens: int = 64
   tensorboard: bool = True
 
   def __post_init__(self):

@@ -78,14 +78,16 @@ def main(argv=None) -> int:
     log.info("done in %.0f s: step %d, loss %.4f -> %.4f, accuracy %.3f -> %.3f, tau estimate "
              "%.2f -> %.2f", time.time() - t0, summary["final_step"], first["loss"], last["loss"],
              first["accuracy"], last["accuracy"], first["tau_estimate"], last["tau_estimate"])
-  if cfg.train.eval_prompts and summary["held_out"]:
-    from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
-    report = evaluate_tau(summary["target"], summary["drafter_config"], summary["graphdef"],
-                          summary["params"],
-                          prompts_from_conversations(summary["held_out"][: cfg.train.eval_prompts]),
-                          max_new_tokens=64)
-    log.info("speculative decoding on %d held-out prompts: tau %.3f (training estimate %.2f)",
-             cfg.train.eval_prompts, report["tau"], last["tau_estimate"] if last else float("nan"))
+  if summary.get("eval_report"):
+    r = summary["eval_report"]
+    log.info("tau %.3f on held-out prompts (histogram of tokens per verify step: %s); "
+             "speculative %.1f tok/s vs target alone %.1f tok/s; lossless: %s", r["tau"],
+             r["accept_length_histogram"], r["tokens_per_second"]["speculative"],
+             r["tokens_per_second"]["target_only"], r["lossless"]["passed"])
+    if not r["lossless"]["passed"]:
+      print(f"error: speculative decoding differed from the target's greedy output: "
+            f"{r['lossless']['mismatches'][:1]}", file=sys.stderr)
+      return 1
   return 130 if summary.get("interrupted") else 0
 
 

@@ -191,6 +191,29 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         if k != "step":
           writer.add_scalar(f"train/{k}", v, i + 1)
 
+  def evaluate(step):
+    """Real speculative decoding on held-out prompts; logs tau next to the training estimate."""
+    from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
+    prompts = prompts_from_conversations(ds.held_out, t.eval_prompts, tokenizer=target.tokenizer,
+                                         max_prompt_tokens=target.info.max_position_embeddings // 2)
+    if not prompts:
+      log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
+      return None
+    report = evaluate_tau(target, dcfg, graphdef, state.params, prompts,
+                          max_new_tokens=t.eval_max_new_tokens, progress=False)
+    est = history[-1]["tau_estimate"] if history else float("nan")
+    log.info("step %d: speculative decoding on %d held-out prompts: tau %.3f (training estimate "
+             "%.2f), lossless %s", step, len(prompts), report["tau"], est,
+             report["lossless"]["passed"])
+    rec = {"step": step, "eval_tau": report["tau"], "train_tau_estimate": est,
+           "lossless": report["lossless"]["passed"]}
+    metrics_file.write(json.dumps(rec) + "\n")
+    if writer is not None:
+      writer.add_scalar("eval/tau", report["tau"], step)
+    summary.setdefault("evaluations", []).append(rec)
+    summary["eval_report"] = report
+    return report
+
   progress.start(first, total)
   stop = first + stop_after if stop_after is not None else total
   try:
@@ -221,11 +244,18 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
           finish(pending)
           pending = None
           save()
+        if t.eval_every and t.eval_prompts and (i + 1) % t.eval_every == 0 and i + 1 < total:
+          if pending is not None:
+            finish(pending)
+            pending = None
+          evaluate(i + 1)
         if intr.hit:
           break
       if pending is not None:
         finish(pending)
         pending = None
+      if t.eval_prompts and not intr.hit and int(state.step) == total:
+        evaluate(total)
   finally:
     # Reached on normal exit, Ctrl-C, and errors: the state in hand is always a good one
     # (a non-finite step leaves it untouched), so it is saved unless it is already on disk.

@@ -174,3 +174,16 @@ def test_block_sums_accuracy_and_accepted_length():
   assert float(s.accept) == 2 + 0
   assert float(m["tau_estimate"]) == pytest.approx(1 + 2 / 2)
   assert float(m["loss"]) == pytest.approx(1.0)
+
+
+def test_chunked_ce_bf16_gradient_close_to_f32():
+  rng = np.random.default_rng(1)
+  T, D, V = 20, 16, 64
+  h = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(V, D)) * 0.3, jnp.float32)
+  y = jnp.asarray(rng.integers(0, V, T), jnp.int32)
+  f = lambda h, cd: objective.chunked_cross_entropy(h, head, y, chunk_size=8, compute_dtype=cd)[0].sum()
+  g32 = jax.grad(f)(h, jnp.float32)
+  g16 = jax.grad(f)(h.astype(jnp.bfloat16), jnp.bfloat16)
+  assert g16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(g16, np.float32), g32, rtol=0.05, atol=0.05)

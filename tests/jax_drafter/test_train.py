@@ -25,12 +25,13 @@ def _cfg(target_dir, data, out, *extra):
 
 def _losses(out):
   with open(os.path.join(out, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tmp_path, capsys):
   out = str(tmp_path / "run")
-  cfg = _cfg(tiny_target_dir, sharegpt_sample, out)
+  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.eval_prompts=2",
+             "train.eval_max_new_tokens=6")
   overrides = [f"{s}.{k}={json.dumps(v) if not isinstance(v, str) else v}"
                for s, sec in cfg.to_dict().items() for k, v in sec.items()]
   rc = train_cli.main(["--quiet", "--config", os.devnull] + overrides)
@@ -44,6 +45,9 @@ def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tm
   zcfg = json.load(open(os.path.join(export, "config.json")))
   assert zcfg["dflash_config"]["target_layer_ids"] == [1, 1]   # DESIGN rule for L=4, n=2
   assert zcfg["layer_types"] == ["sliding_attention", "full_attention"]
+  evals = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval_tau" in r]
+  assert len(evals) == 1 and evals[0]["step"] == 6 and evals[0]["lossless"] is True
+  assert 1.0 <= evals[0]["eval_tau"] <= 4.0
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, sharegpt_sample, tmp_path):

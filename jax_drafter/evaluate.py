@@ -1,0 +1,388 @@
+"""Acceptance length tau by real DFlash speculative decoding: PyTorch target + JAX drafter.
+
+    python -m jax_drafter.evaluate (--run-dir RUN [--step N] | --drafter-dir ZLAB_DIR)
+        [--target-path DIR --gguf-file F] [--prompts FILE.jsonl] [--num-prompts 16]
+        [--max-new-tokens 128] [--block-size K] [--temperature 0] [--json REPORT]
+
+tau (DESIGN.md): each verify step accepts `acc` drafted tokens plus the target's bonus token;
+tau = mean of acc + 1 over the verify steps of a response, averaged over responses; max = K.
+At temperature 0 the speculative output must equal the target's own greedy output token for token
+(lossless check); any difference is a bug and the CLI exits 1 naming the first differing position.
+Default prompts: the run's held-out conversations (never trained on), up to the first assistant turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import jax
+import numpy as np
+
+from bridge import spec_decode
+from bridge.handoff import Handoff, fresh_for_import
+from bridge.target import Target, TargetError, check_mask_token_id, load_target
+from jax_drafter import data as data_lib
+from jax_drafter.config import ConfigError, DrafterConfig
+from jax_drafter.inference import DrafterSession
+
+log = logging.getLogger(__name__)
+
+_PROMPT_ROLES = {"system": "system", "user": "user", "human": "user",
+                 "assistant": "assistant", "gpt": "assistant"}
+
+
+class EvaluationError(ValueError):
+  """Bad evaluation input (checkpoint/target mismatch, prompts, options): a one-line fix."""
+
+
+def check_compatible(cfg: DrafterConfig, target: Target) -> None:
+  """The drafter must have been trained against this target's layers, width, vocabulary, mask."""
+  info, name = target.info, target.name
+  if cfg.num_target_layers != info.num_layers:
+    raise EvaluationError(f"the drafter was trained on a target with {cfg.num_target_layers} layers "
+                          f"(target_layer_ids {list(cfg.target_layer_ids)}), but {name} has "
+                          f"{info.num_layers}; evaluate with the target it was trained on")
+  target.check_layer_ids(cfg.target_layer_ids)
+  if cfg.hidden_size != info.hidden_size:
+    raise EvaluationError(f"drafter hidden_size={cfg.hidden_size} != target hidden size "
+                          f"{info.hidden_size} ({name}); evaluate with the target it was trained on")
+  if cfg.vocab_size != info.vocab_size:
+    raise EvaluationError(f"drafter vocab_size={cfg.vocab_size} != target vocabulary "
+                          f"{info.vocab_size} ({name}); evaluate with the target it was trained on")
+  try:
+    check_mask_token_id(target, cfg.mask_token_id)
+  except TargetError as e:
+    raise EvaluationError(f"the drafter's mask token does not fit {name}: {e}") from None
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+  """A conversation up to (not including) its first assistant turn; must end with a user turn."""
+  out = []
+  for m in messages:
+    if m["role"] == "assistant":
+      break
+    out.append(m)
+  if not out or out[-1]["role"] != "user":
+    raise EvaluationError("a prompt must end with a user turn before the first assistant turn")
+  return out
+
+
+def load_prompts(path: str) -> list[list[dict]]:
+  """JSONL: one {"prompt": str} or {"messages": [{role, content}]} / ShareGPT {"conversations":
+  [{from, value}]} per line; conversations are cut before their first assistant turn."""
+  if not os.path.isfile(path):
+    raise EvaluationError(f"--prompts {path}: file not found")
+  prompts = []
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+        if isinstance(rec.get("prompt"), str):
+          msgs = [{"role": "user", "content": rec["prompt"]}]
+        else:
+          turns = rec.get("messages", rec.get("conversations"))
+          msgs = [{"role": _PROMPT_ROLES[str(t.get("role", t.get("from"))).lower()],
+                   "content": t.get("content", t.get("value"))} for t in turns]
+        prompts.append(prompt_messages(msgs))
+      except (json.JSONDecodeError, AttributeError, KeyError, TypeError, EvaluationError) as e:
+        raise EvaluationError(f"{path} line {n}: not a prompt record ({type(e).__name__}: {e}); "
+                              'write {"prompt": "..."} or {"messages": [{"role": "user", '
+                              '"content": "..."}]} per line') from None
+  if not prompts:
+    raise EvaluationError(f"--prompts {path} holds no prompts (empty file)")
+  return prompts
+
+
+def held_out_prompts(run_config: dict, num: int, **kw) -> list[list[dict]]:
+  """The first `num` usable held-out conversations of a run (the training split), as prompts."""
+  d = run_config["data"]
+  if not d.get("held_out"):
+    raise EvaluationError("this run kept no held-out conversations (data.held_out=0); pass "
+                          "--prompts FILE.jsonl with prompts it was not trained on")
+  convs = data_lib.load_conversations(d["path"], max_conversations=d.get("max_conversations"))
+  _, held = data_lib.split_held_out(convs, d["held_out"], d.get("seed", 0))
+  return prompts_from_conversations(held, num, **kw)
+
+
+def prompts_from_conversations(conversations: list[dict], num: int, *, tokenizer=None,
+                               max_prompt_tokens: int | None = None) -> list[list[dict]]:
+  """Up to `num` prompts (each conversation cut before its first assistant turn), in order.
+
+  With `tokenizer` and `max_prompt_tokens`, longer prompts are skipped (ShareGPT has user turns of
+  tens of thousands of tokens; one of them must not abort an evaluation at the end of training).
+  The training loop passes `Dataset.held_out` here."""
+  out, skipped = [], 0
+  for c in conversations:
+    if len(out) == num:
+      break
+    try:
+      prompt = prompt_messages(c["messages"])
+    except EvaluationError:
+      continue  # e.g. a conversation that opens with a system turn only
+    if max_prompt_tokens is not None and len(encode(tokenizer, prompt)) > max_prompt_tokens:
+      skipped += 1
+      continue
+    out.append(prompt)
+  if skipped:
+    log.warning("skipped %d held-out prompts longer than %d tokens", skipped, max_prompt_tokens)
+  return out
+
+
+def encode(tokenizer, prompt) -> list[int]:
+  """Messages -> ids under the chat template with the generation prompt; a list of ids passes."""
+  if prompt and isinstance(prompt[0], (int, np.integer)):
+    return [int(t) for t in prompt]
+  text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+  return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class _JaxProposer:
+  """spec_decode.Proposer over a DrafterSession: target features cross to JAX through DLPack."""
+
+  def __init__(self, session: DrafterSession, max_len: int, seed: int):
+    self.session, self.max_len = session, max_len
+    self.key = jax.random.key(seed)
+    self.steps = 0
+
+  def _put(self, feats, count):
+    h = Handoff()
+    self.session.extend(h.put(feats, name="target features"), count)
+    h.release_after(self.session.cache)  # torch may reuse the buffer only after JAX read it
+
+  def start(self, feats):
+    self.session.reset(self.max_len)
+    self._put(feats, None)
+
+  def extend(self, feats, count):
+    self._put(feats, count)
+
+  def propose(self, last_token, temperature):
+    self.steps += 1
+    greedy = self.session.temperature <= 0  # the key is unused: skip one dispatch per step
+    return self.session.propose(
+        last_token, self.key if greedy else jax.random.fold_in(self.key, self.steps))
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, *,
+                 max_new_tokens: int, block_size: int | None = None, temperature: float = 0.0,
+                 seed: int = 0, progress: bool = True, proposer=None) -> dict:
+  """Speculative decoding of every prompt (list of messages ending with a user turn, or token ids)
+  plus the target alone on the same prompts. -> report dict (see `summarize`).
+
+  `proposer` replaces the JAX drafter (tests use an oracle); it must follow spec_decode.Proposer.
+  """
+  K = block_size or cfg.block_size
+  if not 2 <= K <= cfg.block_size:
+    raise EvaluationError(f"block size {K} must be in [2, {cfg.block_size}]: the drafter was "
+                          f"trained with block_size={cfg.block_size}")
+  if max_new_tokens < 1:
+    raise EvaluationError(f"{max_new_tokens=} must be >= 1")
+  if not prompts:
+    raise EvaluationError("no prompts to evaluate")
+  check_compatible(cfg, target)
+  ids = [encode(target.tokenizer, p) for p in prompts]
+  limit = target.info.max_position_embeddings
+  for i, p in enumerate(ids):
+    if not p:
+      raise EvaluationError(f"prompt {i} is empty after tokenisation")
+    if len(p) + max_new_tokens + K > limit:
+      raise EvaluationError(f"prompt {i} has {len(p)} tokens: with max_new_tokens={max_new_tokens} "
+                            f"and block size {K} it needs {len(p) + max_new_tokens + K} positions, "
+                            f"more than the target's context of {limit}; shorten it or lower "
+                            "--max-new-tokens")
+  decoder = spec_decode.TargetDecoder(target, cfg.target_layer_ids)
+  eos = spec_decode.eos_token_ids(target)
+  frozen = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
+  if proposer is None:
+    embed = frozen.put(fresh_for_import(target.embedding, name="embedding"), name="embedding")
+    head = (embed if target.lm_head.data_ptr() == target.embedding.data_ptr()  # tied weights
+            else frozen.put(fresh_for_import(target.lm_head, name="lm_head"), name="lm_head"))
+    session = DrafterSession(cfg, graphdef, params, embed, head, block_size=K,
+                             temperature=temperature)
+    proposer = _JaxProposer(session, max(map(len, ids)) + max_new_tokens + K, seed)
+  kw = dict(eos_ids=eos, temperature=temperature)
+  # Warm-up (untimed): compiles the drafter's two jitted steps and touches the target's kernels.
+  # Prefill extends in K-row chunks like the steps, so one verify step compiles everything.
+  spec_decode.speculative_generate(decoder, proposer, ids[0][:32], max_new_tokens=2,
+                                   block_size=K, seed=seed, **kw)
+  spec_decode.target_generate(decoder, ids[0][:32], max_new_tokens=2,
+                              seed=seed, **kw)
+  rows = []
+  it = ids
+  if progress:
+    from tqdm import tqdm
+    it = tqdm(ids, desc="speculative decoding", unit="prompt")
+  for i, p in enumerate(it):
+    spec = spec_decode.speculative_generate(
+        decoder, proposer, p, max_new_tokens=max_new_tokens, block_size=K,
+        seed=seed + i, **kw)
+    ref = spec_decode.target_generate(decoder, p, max_new_tokens=max_new_tokens,
+                                      seed=seed + i, **kw)
+    rows.append({"prompt": i, "prompt_tokens": len(p), "new_tokens": len(spec.tokens),
+                 "verify_steps": len(spec.accepted), "accepted": spec.accepted,
+                 "tau": float(np.mean(spec.accepted) + 1) if spec.accepted else None,
+                 "speculative_seconds": spec.seconds, "target_seconds": ref.seconds,
+                 "target_new_tokens": len(ref.tokens),
+                 "first_difference": first_difference(spec.tokens, ref.tokens),
+                 "speculative_text_head": _decode(target.tokenizer, spec.tokens[:8]),
+                 "_spec": spec.tokens, "_ref": ref.tokens})
+    if progress:
+      taus = [r["tau"] for r in rows if r["tau"] is not None]
+      it.set_postfix(tau=f"{np.mean(taus):.2f}" if taus else "-")
+  return summarize(rows, block_size=K, max_new_tokens=max_new_tokens, temperature=temperature,
+                   target_name=target.name)
+
+
+def _decode(tokenizer, tokens) -> str:
+  try:
+    return tokenizer.decode(tokens)
+  except Exception:  # a stand-in tokenizer without decode: the report stays usable
+    return ""
+
+
+def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, temperature: float,
+              target_name: str) -> dict:
+  """Per-prompt rows -> the report: tau, histogram of tokens per verify step, speed, lossless."""
+  taus = [r["tau"] for r in rows if r["tau"] is not None]
+  hist = np.zeros(block_size + 1, np.int64)
+  for r in rows:
+    for a in r["accepted"]:
+      hist[a + 1] += 1
+  spec_s = sum(r["speculative_seconds"] for r in rows)
+  ref_s = sum(r["target_seconds"] for r in rows)
+  spec_tps = sum(r["new_tokens"] for r in rows) / spec_s if spec_s else None
+  ref_tps = sum(r["target_new_tokens"] for r in rows) / ref_s if ref_s else None
+  checked = temperature <= 0
+  mismatches = [{"prompt": r["prompt"], "position": r["first_difference"],
+                 "speculative": _at(r["_spec"], r["first_difference"]),
+                 "target": _at(r["_ref"], r["first_difference"])}
+                for r in rows if checked and r["first_difference"] is not None]
+  for r in rows:
+    r["lossless"] = (r["first_difference"] is None) if checked else None
+    del r["_spec"], r["_ref"]
+  return {
+      "tau": float(np.mean(taus)) if taus else None,
+      "max_tau": block_size, "block_size": block_size, "max_new_tokens": max_new_tokens,
+      "temperature": temperature, "num_prompts": len(rows), "target": target_name,
+      "verify_steps": int(hist.sum()),
+      # Key n: verify steps that produced n tokens (n - 1 accepted drafts + the bonus token).
+      "accept_length_histogram": {str(n): int(hist[n]) for n in range(1, block_size + 1)},
+      "tokens_per_second": {"speculative": spec_tps, "target_only": ref_tps,
+                            "speedup": spec_tps / ref_tps if spec_tps and ref_tps else None},
+      "lossless": {"checked": checked, "passed": (not mismatches) if checked else None,
+                   "mismatches": mismatches},
+      "per_prompt": rows,
+  }
+
+
+def _at(tokens, i):
+  return tokens[i] if i is not None and i < len(tokens) else None
+
+
+def format_report(r: dict) -> str:
+  tau = "n/a" if r["tau"] is None else f"{r['tau']:.3f}"
+  tps = r["tokens_per_second"]
+  fmt = lambda x, spec="{:.1f}": "n/a" if x is None else spec.format(x)
+  hist = " ".join(f"{k}:{v}" for k, v in r["accept_length_histogram"].items() if v)
+  ll = r["lossless"]
+  lossless = ("not checked (temperature > 0)" if not ll["checked"] else "passed" if ll["passed"]
+              else f"FAILED: prompt {ll['mismatches'][0]['prompt']} differs first at new token "
+                   f"{ll['mismatches'][0]['position']} (speculative {ll['mismatches'][0]['speculative']}"
+                   f", target {ll['mismatches'][0]['target']})")
+  return (f"tau = {tau} (max {r['max_tau']}) over {r['num_prompts']} prompts, "
+          f"{r['verify_steps']} verify steps\n"
+          f"tokens per verify step (histogram): {hist}\n"
+          f"tokens/s: speculative {fmt(tps['speculative'])}, target only "
+          f"{fmt(tps['target_only'])}, speedup {fmt(tps['speedup'], '{:.2f}x')}\n"
+          f"lossless (speculative == target greedy): {lossless}")
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m jax_drafter.evaluate", description=__doc__.split("\n")[0])
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--run-dir", help="training run directory (with checkpoints/)")
+  src.add_argument("--drafter-dir", help="exported z-lab drafter directory")
+  p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  p.add_argument("--target-path", help="HF target directory (default: the run's target)")
+  p.add_argument("--gguf-file", help="GGUF file inside --target-path")
+  p.add_argument("--device", default=None, help="target device (default: the run's, or auto)")
+  p.add_argument("--prompts", help="JSONL prompts (default: the run's held-out conversations)")
+  p.add_argument("--num-prompts", type=int, default=16)
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--block-size", type=int, help="default: the trained block size")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", help="write the report here")
+  args = p.parse_args(argv)
+  if args.step is not None and not args.run_dir:
+    p.error("--step needs --run-dir")
+  if args.gguf_file and not args.target_path:
+    p.error("--gguf-file needs --target-path")
+  return args
+
+
+def main(argv=None) -> int:
+  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  args = _parse(argv)
+  try:
+    if args.run_dir:
+      from jax_drafter.checkpoint import load_params
+      cfg, graphdef, params, meta = load_params(args.run_dir, args.step)
+      run_config = meta.get("run_config") or {}
+    else:
+      from jax_drafter.export import read_zlab
+      cfg, graphdef, params = read_zlab(args.drafter_dir)
+      run_config = {}
+    tc = run_config.get("target") or {}
+    path = args.target_path or tc.get("path")
+    gguf = args.gguf_file if args.target_path else tc.get("gguf_file")
+    target = load_target(path, gguf_file=gguf, dtype=tc.get("dtype", "float32"),
+                         device=args.device or tc.get("device", "auto"),
+                         trust_remote_code=bool(tc.get("trust_remote_code", False)))
+    check_compatible(cfg, target)  # before reading any prompt: the cheapest error first
+    if args.prompts:
+      prompts = load_prompts(args.prompts)[:args.num_prompts]
+    elif run_config.get("data"):
+      K = args.block_size or cfg.block_size
+      prompts = held_out_prompts(
+          run_config, args.num_prompts, tokenizer=target.tokenizer,
+          max_prompt_tokens=target.info.max_position_embeddings - args.max_new_tokens - K)
+    else:
+      raise EvaluationError("an exported drafter directory does not record its training data, so the "
+                            "held-out split is unknown: pass --prompts FILE.jsonl")
+    if not prompts:
+      raise EvaluationError("no usable held-out prompt (each needs a user turn before an assistant "
+                            "turn); pass --prompts FILE.jsonl")
+    report = evaluate_tau(target, cfg, graphdef, params, prompts,
+                          max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                          temperature=args.temperature, seed=args.seed)
+  except (EvaluationError, ConfigError, TargetError, data_lib.DataError, FileNotFoundError,
+          ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(format_report(report))
+  if report["lossless"]["passed"] is False:
+    m = report["lossless"]["mismatches"][0]
+    print(f"error: speculative decoding is not lossless: prompt {m['prompt']} first differs from the "
+          f"target's greedy output at new token {m['position']}", file=sys.stderr)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=2)
+  return 1 if report["lossless"]["passed"] is False else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,182 @@
+"""The drafter's proposal step at inference time: one sequence, context K/V cached across verify steps.
+
+z-lab style: `ctx = hidden_norm(fc(target_features))` is projected once per context position into
+every layer's context keys `rope(k_norm(k_proj(ctx)), pos)` and values `v_proj(ctx)`; a verify step
+appends only the newly accepted positions, and the block's own K/V are never cached (the block
+`[last accepted, MASK, ...]` is recomputed every step). The proposal is the DFlash contract with one
+block whose anchor is the context length n (all of the context is visible): it must equal
+`Drafter.__call__` for the same context (tests/jax_drafter/test_evaluate.py checks it).
+
+Static shapes so jit compiles once per (max_len, K): the cache is padded to `max_len` (a power of
+two), context is appended in chunks of K rows, and n is a traced scalar. Padding rows past n are
+never visible: the attention mask only admits context keys j < anchor = n.
+Letters as in config.py; L drafter layers, M = max_len.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_drafter.config import DrafterConfig
+from jax_drafter.model import rope
+from pallas_kernels.dflash_attention.api import dflash_attention
+
+
+class ContextCache(NamedTuple):
+  k_LxMxHkvxDh: jax.Array
+  v_LxMxHkvxDh: jax.Array
+
+
+def bucket(n: int, minimum: int = 64) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  return 1 << max(int(math.ceil(math.log2(max(n, 1)))), int(math.log2(minimum)))
+
+
+def _extend(graphdef, params, cache: ContextCache, n, feats_CxF, *, theta: float) -> ContextCache:
+  """Write the context K/V of C feature rows at positions n..n+C-1 (rows past the count are junk
+  that a later call overwrites; the mask never shows them)."""
+  model = nnx.merge(graphdef, params)
+  C = feats_CxF.shape[0]
+  ctx = model.hidden_norm(model.fc(feats_CxF[None].astype(model.compute_dtype)))  # [1, C, D]
+  pos = (n + jnp.arange(C, dtype=jnp.int32))[None]
+  ks, vs = [], []
+  for layer in model.layers:
+    a = layer.self_attn
+    _, Hkv, Dh = a.shape
+    ks.append(rope(a.k_norm(a.k_proj(ctx).reshape(1, C, Hkv, Dh)), pos, theta)[0])
+    vs.append(a.v_proj(ctx).reshape(C, Hkv, Dh))
+  at = (0, n, 0, 0)
+  k = jax.lax.dynamic_update_slice(cache.k_LxMxHkvxDh, jnp.stack(ks).astype(cache.k_LxMxHkvxDh.dtype), at)
+  v = jax.lax.dynamic_update_slice(cache.v_LxMxHkvxDh, jnp.stack(vs).astype(cache.v_LxMxHkvxDh.dtype), at)
+  return ContextCache(k, v)
+
+
+def _block_hidden(graphdef, params, cache: ContextCache, n, noise_ids_K, embed_VxD, *,
+                  theta: float, attn_impl: dict):
+  """Final-normed hidden states [K, D] of the block noise_ids_K at positions n..n+K-1."""
+  model = nnx.merge(graphdef, params)
+  K = noise_ids_K.shape[0]
+  x = jnp.take(embed_VxD, noise_ids_K, axis=0)[None].astype(model.compute_dtype)  # [1, K, D]
+  pos = (n + jnp.arange(K, dtype=jnp.int32))[None]
+  anchors = jnp.reshape(n, (1, 1)).astype(jnp.int32)
+  doc_start = jnp.zeros((1, 1), jnp.int32)
+  valid = jnp.ones((1, 1), bool)
+  for i, layer in enumerate(model.layers):
+    a = layer.self_attn
+    Hq, Hkv, Dh = a.shape
+    h = layer.input_layernorm(x)
+    # The same projections as model.Attention, with the context K/V read from the cache.
+    q = rope(a.q_norm(a.q_proj(h).reshape(1, K, Hq, Dh)), pos, theta)
+    k_blk = rope(a.k_norm(a.k_proj(h).reshape(1, K, Hkv, Dh)), pos, theta)
+    v_blk = a.v_proj(h).reshape(1, K, Hkv, Dh)
+    o = dflash_attention(q, cache.k_LxMxHkvxDh[i][None], cache.v_LxMxHkvxDh[i][None], k_blk, v_blk,
+                         anchors, doc_start, valid, block_size=K, window=a.window,
+                         scale=Dh ** -0.5, **attn_impl)
+    x = x + a.o_proj(o.reshape(1, K, Hq * Dh))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+  return model.norm(x)[0]
+
+
+def _propose(graphdef, params, cache, n, noise_ids_K, embed_VxD, lm_head_VxD, key, *,
+             theta: float, attn_impl: dict, temperature: float):
+  """-> (draft ids int32 [K-1], draft probabilities f32 [K-1, V] or None when greedy)."""
+  h = _block_hidden(graphdef, params, cache, n, noise_ids_K, embed_VxD, theta=theta,
+                    attn_impl=attn_impl)[1:]
+  cd = h.dtype
+  # Same numerics as objective.chunked_cross_entropy: compute dtype in, f32 accumulation.
+  logits = jnp.matmul(h, lm_head_VxD.astype(cd).T, preferred_element_type=jnp.float32)
+  if temperature <= 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+  scaled = logits / temperature
+  return (jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32),
+          jax.nn.softmax(scaled, axis=-1))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(graphdef, theta: float, impl: tuple, temperature: float):
+  """Jitted (extend, block_hidden, propose), shared by sessions of one architecture: evaluating
+  again (every M training steps) reuses the compiled code instead of tracing anew."""
+  attn_impl = dict(impl)
+  return (jax.jit(functools.partial(_extend, graphdef, theta=theta)),
+          jax.jit(functools.partial(_block_hidden, graphdef, theta=theta, attn_impl=attn_impl)),
+          jax.jit(functools.partial(_propose, graphdef, theta=theta, attn_impl=attn_impl,
+                                    temperature=temperature)))
+
+
+class DrafterSession:
+  """Proposal state of one sequence. Arrays in, numpy out; no torch here.
+
+  Usage: s.reset(max_len); s.extend(prompt_features, T); loop { s.propose(last); ...;
+  s.extend(block_features, accepted + 1) }.
+  """
+
+  def __init__(self, cfg: DrafterConfig, graphdef, params, embed_VxD, lm_head_VxD, *,
+               block_size: int | None = None, attn_impl: dict | None = None,
+               temperature: float = 0.0):
+    self.cfg = cfg
+    self.block_size = block_size or cfg.block_size
+    if not 2 <= self.block_size <= cfg.block_size:
+      raise ValueError(f"block_size={self.block_size} must be in [2, {cfg.block_size}] "
+                       f"(the drafter was trained with block_size={cfg.block_size})")
+    self.params, self.embed, self.lm_head = params, embed_VxD, lm_head_VxD
+    self.temperature = float(temperature)
+    model = nnx.merge(graphdef, params)
+    layer0 = model.layers[0].self_attn
+    self._kv_shape = layer0.shape[1:]
+    self._dtype = model.compute_dtype
+    # The inference block is one block over a short context: the dense-mask XLA path is cheap.
+    impl = tuple(sorted((attn_impl or {"implementation": "xla"}).items()))
+    self._extend, self._hidden, self._propose = _compiled(graphdef, float(cfg.rope_theta), impl,
+                                                          self.temperature)
+    self.cache: ContextCache | None = None
+    self.length = 0
+
+  def reset(self, max_len: int) -> None:
+    """Empty context with room for max_len positions (rounded up to a power of two)."""
+    L, M = self.cfg.num_hidden_layers, bucket(max_len + self.block_size)
+    shape = (L, M) + tuple(self._kv_shape)
+    self.cache = ContextCache(jnp.zeros(shape, self._dtype), jnp.zeros(shape, self._dtype))
+    self.length = 0
+
+  @property
+  def max_len(self) -> int:
+    return self.cache.k_LxMxHkvxDh.shape[1]
+
+  def extend(self, feats_RxF, count: int | None = None) -> None:
+    """Append the first `count` rows of feats_RxF (default all) as the next context positions."""
+    count = feats_RxF.shape[0] if count is None else count
+    if not 0 <= count <= feats_RxF.shape[0]:
+      raise ValueError(f"{count=} must be in [0, {feats_RxF.shape[0]}] (rows of the features)")
+    C = self.block_size
+    pad = (-feats_RxF.shape[0]) % C
+    feats = jnp.pad(feats_RxF, ((0, pad), (0, 0))) if pad else feats_RxF
+    for c in range(0, count, C):
+      if self.length + C > self.max_len:  # rare: recompiles for the doubled shape
+        grow = ((0, 0), (0, self.max_len), (0, 0), (0, 0))
+        self.cache = ContextCache(*(jnp.pad(x, grow) for x in self.cache))
+      self.cache = self._extend(self.params, self.cache, jnp.int32(self.length), feats[c:c + C])
+      self.length += min(C, count - c)
+
+  def _noise(self, last_token: int):
+    ids = np.full((self.block_size,), self.cfg.mask_token_id, np.int32)
+    ids[0] = last_token
+    return jnp.asarray(ids)
+
+  def block_hidden(self, last_token: int) -> jax.Array:
+    """Final hidden states [K, D] of the block [last_token, MASK, ...] at positions n..n+K-1."""
+    return self._hidden(self.params, self.cache, jnp.int32(self.length), self._noise(last_token),
+                        self.embed)
+
+  def propose(self, last_token: int, key=None):
+    """-> (draft ids np.int32 [K-1], draft probabilities np.float32 [K-1, V] or None if greedy)."""
+    key = jax.random.key(0) if key is None else key
+    ids, probs = self._propose(self.params, self.cache, jnp.int32(self.length),
+                               self._noise(last_token), self.embed, self.lm_head, key)
+    return np.asarray(ids), None if probs is None else np.asarray(probs)

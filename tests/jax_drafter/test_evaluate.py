@@ -1,0 +1,339 @@
+"""Speculative decoding evaluation: lossless loop, oracle tau, inference == Drafter, bad input.
+
+A tiny random Llama target (stand-in tokenizer) covers the loop; the real SmolLM2 target (loaded
+once per module, ~30 s) covers tau ~ 1 for an untrained drafter and the CLI end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from bridge import spec_decode
+from bridge.target import Target, choose_mask_token_id, load_target
+from jax_drafter import evaluate
+from jax_drafter.config import DrafterConfig, default_target_layer_ids
+from jax_drafter.inference import DrafterSession
+from jax_drafter.model import Drafter
+
+TOL = dict(atol=2e-5, rtol=2e-5)  # f32 drafter, cached vs one-shot context projections
+VOCAB = 96
+
+
+class TinyTokenizer:
+  """Enough of a HF tokenizer for the loop: chat template, call, len; the last id is the mask."""
+  chat_template = "{{ messages }}"
+  eos_token_id = bos_token_id = pad_token_id = unk_token_id = None
+  added_tokens_decoder = {}
+
+  def __len__(self):
+    return VOCAB - 1
+
+  def convert_ids_to_tokens(self, i):
+    return chr(i)
+
+  def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+  def __call__(self, text, add_special_tokens=False):
+    return {"input_ids": [ord(c) % (VOCAB - 1) for c in text]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+  """Tiny matmuls: OpenMP thread hand-offs cost more than the math on a busy 2-core CI machine."""
+  n = torch.get_num_threads()
+  torch.set_num_threads(1)
+  yield
+  torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  from transformers import LlamaConfig, LlamaForCausalLM
+  torch.manual_seed(0)
+  conf = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  return Target(LlamaForCausalLM(conf).float(), TinyTokenizer(), "tiny-llama")
+
+
+def tiny_drafter(block_size=4, seed=0):
+  cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                      num_target_layers=4, target_layer_ids=(1, 2), mask_token_id=VOCAB - 1,
+                      block_size=block_size, layer_types=("full_attention", "sliding_attention"),
+                      sliding_window=3)
+  graphdef, params = nnx.split(Drafter(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
+  return cfg, graphdef, params
+
+
+def greedy_reference(model, ids, n):
+  """Greedy decoding without any cache: the full sequence every step (independent of spec_decode)."""
+  seq = list(ids)
+  with torch.inference_mode():
+    for _ in range(n):
+      seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+  return seq[len(ids):]
+
+
+TINY_PROMPTS = [[{"role": "user", "content": "hello there"}],
+                [{"role": "system", "content": "sys"}, {"role": "user", "content": "count: 1 2 3"}],
+                [5, 17, 3, 3, 60, 2]]
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+def test_target_generate_equals_uncached_greedy(tiny_target):
+  ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[0])
+  dec = spec_decode.TargetDecoder(tiny_target)
+  got = spec_decode.target_generate(dec, ids, max_new_tokens=12).tokens
+  assert got == greedy_reference(tiny_target.model, ids, 12)
+
+
+def test_lossless_untrained_drafter(tiny_target):
+  cfg, graphdef, params = tiny_drafter()
+  report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS,
+                                 max_new_tokens=16, progress=False)
+  assert report["lossless"] == {"checked": True, "passed": True, "mismatches": []}
+  assert report["num_prompts"] == 3 and report["verify_steps"] > 0
+  for p, row in zip(TINY_PROMPTS, report["per_prompt"]):
+    assert row["new_tokens"] == 16 and row["target_new_tokens"] == 16
+  # The speculative output itself, against decoding that shares no code with the loop.
+  ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[1])
+  session = DrafterSession(cfg, graphdef, params, jnp.asarray(tiny_target.embedding.numpy()),
+                           jnp.asarray(tiny_target.lm_head.numpy()))
+  proposer = evaluate._JaxProposer(session, len(ids) + 40, seed=0)
+  dec = spec_decode.TargetDecoder(tiny_target, cfg.target_layer_ids)
+  gen = spec_decode.speculative_generate(dec, proposer, ids, max_new_tokens=12, block_size=4)
+  assert gen.tokens == greedy_reference(tiny_target.model, ids, 12)
+  assert sum(a + 1 for a in gen.accepted) >= 11  # every verify step added acc + 1 tokens
+
+
+class OracleProposer:
+  """Proposes the target's own greedy continuation (keyed by prompt length): accepts everything."""
+
+  def __init__(self, continuations: dict[int, list[int]], block_size: int):
+    self.cont, self.K = continuations, block_size
+
+  def start(self, feats):
+    self.prompt_len = self.n = feats.shape[0]
+
+  def extend(self, feats, count):
+    self.n += count
+
+  def propose(self, last_token, temperature):
+    done = self.n - self.prompt_len + 1  # tokens generated so far; `last_token` is the latest
+    assert self.cont[self.prompt_len][done - 1] == last_token
+    return self.cont[self.prompt_len][done:done + self.K - 1], None
+
+
+@pytest.mark.parametrize("block_size", [4, 3])
+def test_oracle_drafter_reaches_max_tau(tiny_target, block_size):
+  cfg, graphdef, params = tiny_drafter(block_size=4)
+  prompts = [TINY_PROMPTS[2], [{"role": "user", "content": "hi"}]]
+  ids = [evaluate.encode(tiny_target.tokenizer, p) for p in prompts]
+  # The oracle is keyed by prompt length; evaluate_tau's warm-up uses the first 32 prompt tokens.
+  assert len({len(i) for i in ids}) == len(ids) and max(map(len, ids)) <= 32
+  cont = {len(i): greedy_reference(tiny_target.model, i, 16 + block_size) for i in ids}
+  report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, prompts, max_new_tokens=16,
+                                 block_size=block_size, progress=False,
+                                 proposer=OracleProposer(cont, block_size))
+  assert report["tau"] == block_size
+  assert report["accept_length_histogram"][str(block_size)] == report["verify_steps"] > 0
+  assert report["lossless"]["passed"]
+
+
+def test_sampling_acceptance_rule():
+  """Deterministic draft: accept d with probability p(d); on rejection never emit d."""
+  logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+  g = torch.Generator().manual_seed(0)
+  outcomes = [spec_decode.accept([0], logits, temperature=1.0, generator=g) for _ in range(2000)]
+  rate = np.mean([acc for acc, _ in outcomes])
+  assert abs(rate - 0.7) < 0.05
+  assert all(bonus != 0 for acc, bonus in outcomes if acc == 0)
+  # A sampled draft (q != p): the first emitted token is distributed as p (the rule's guarantee).
+  p = torch.tensor([0.5, 0.3, 0.2])
+  q = torch.tensor([[0.2, 0.6, 0.2]])
+  logits = torch.stack([p.log(), p.log()])
+  counts = np.zeros(3)
+  for _ in range(4000):
+    d = int(torch.multinomial(q[0], 1, generator=g))
+    acc, bonus = spec_decode.accept([d], logits, temperature=1.0, draft_probs=q, generator=g)
+    counts[d if acc else bonus] += 1
+  np.testing.assert_allclose(counts / counts.sum(), p.numpy(), atol=0.03)
+  assert spec_decode.accept([0, 1], torch.log(torch.tensor([[.1, .8, .1], [.1, .1, .8]])),
+                            temperature=0) == (0, 1)
+
+
+def test_finish_cuts_at_eos_and_max():
+  assert spec_decode._finish([4, 5, 2, 7], 10, {2}) == ([4, 5, 2], True)
+  assert spec_decode._finish([4, 5, 6, 7], 3, {2}) == ([4, 5, 6], True)
+  assert spec_decode._finish([4, 5], 3, {2}) == ([4, 5], False)
+
+
+def test_lossless_failure_is_reported():
+  row = dict(prompt=0, new_tokens=3, target_new_tokens=3, accepted=[0, 1], tau=1.5,
+             speculative_seconds=1.0, target_seconds=1.0, first_difference=2,
+             _spec=[1, 2, 3], _ref=[1, 2, 4])
+  r = evaluate.summarize([row], block_size=4, max_new_tokens=3, temperature=0.0, target_name="t")
+  assert r["lossless"]["passed"] is False
+  assert r["lossless"]["mismatches"] == [{"prompt": 0, "position": 2, "speculative": 3, "target": 4}]
+  assert "FAILED" in evaluate.format_report(r) and "new token 2" in evaluate.format_report(r)
+  assert evaluate.first_difference([1, 2], [1, 2, 3]) == 2
+  assert evaluate.first_difference([1, 2], [1, 2]) is None
+
+
+# ---- inference.py == Drafter.__call__ ------------------------------------------------------------
+
+def test_inference_proposal_equals_drafter_forward(block_size=3):
+  """At a block size below the trained one (the general case: attention uses the inference K)."""
+  cfg, graphdef, params = tiny_drafter(block_size=4, seed=1)
+  rng = np.random.default_rng(0)
+  S, F, K = 13, 2 * cfg.hidden_size, block_size
+  feats = jnp.asarray(rng.normal(size=(S, F)), jnp.float32)
+  embed = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  lm_head = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  last = 7
+
+  # Reference: the training forward, one block whose anchor is the context length.
+  cfg_k = dataclasses.replace(cfg, block_size=K)
+  model = Drafter(cfg_k, rngs=nnx.Rngs(0))
+  nnx.update(model, params)
+  noise = jnp.asarray([last] + [cfg.mask_token_id] * (K - 1))
+  forward = jax.jit(lambda *a: model(*a, attn_impl={"implementation": "xla"}))
+  want = forward(embed[noise][None], feats[None], jnp.arange(S)[None], (S + jnp.arange(K))[None],
+                 jnp.array([[S]]), jnp.array([[0]]), jnp.array([[True]]))[0]
+
+  session = DrafterSession(cfg, graphdef, params, embed, lm_head, block_size=K)
+  session.reset(S + 8)
+  session.extend(feats[:5])                              # the prompt
+  session.extend(jnp.pad(feats[5:8], ((0, 1), (0, 0))), 3)  # a verify block, 3 accepted
+  session.extend(feats[8:13], 5)                          # longer than one chunk
+  assert session.length == S
+  np.testing.assert_allclose(np.asarray(session.block_hidden(last)), np.asarray(want), **TOL)
+  draft, probs = session.propose(last)
+  want_ids = np.argmax(np.asarray(want[1:]) @ np.asarray(lm_head).T, -1)
+  np.testing.assert_array_equal(draft, want_ids)
+  assert probs is None
+  # Static shapes: more steps of other lengths reuse the compiled functions.
+  sizes = session._extend._cache_size(), session._propose._cache_size()
+  session.extend(feats[:K], 1)
+  session.propose(3)
+  assert (session._extend._cache_size(), session._propose._cache_size()) == sizes
+
+
+def test_temperature_sampling_end_to_end(tiny_target):
+  cfg, graphdef, params = tiny_drafter()
+  report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS[:1],
+                                 max_new_tokens=8, temperature=0.7, progress=False)
+  assert report["lossless"] == {"checked": False, "passed": None, "mismatches": []}
+  assert 1.0 <= report["tau"] <= 4 and report["per_prompt"][0]["new_tokens"] == 8
+
+
+def test_sampling_proposal_is_a_distribution():
+  cfg, graphdef, params = tiny_drafter()
+  embed = jnp.ones((VOCAB, cfg.hidden_size)) * 0.1
+  s = DrafterSession(cfg, graphdef, params, embed, embed, temperature=0.7)
+  s.reset(16)
+  s.extend(jnp.ones((5, 2 * cfg.hidden_size)))
+  ids, probs = s.propose(1, jax.random.key(3))
+  assert ids.shape == (3,) and probs.shape == (3, VOCAB)
+  np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, match", [
+    (dict(hidden_size=32), "hidden_size=32"),
+    (dict(vocab_size=VOCAB + 1, mask_token_id=VOCAB), "vocab_size"),
+    (dict(num_target_layers=6), "6 layers"),
+    (dict(mask_token_id=5), "mask token"),
+])
+def test_checkpoint_target_mismatch(tiny_target, change, match):
+  cfg = dataclasses.replace(tiny_drafter()[0], **change)
+  with pytest.raises(evaluate.EvaluationError, match=match):
+    evaluate.check_compatible(cfg, tiny_target)
+
+
+def test_bad_options(tiny_target, tmp_path):
+  cfg, graphdef, params = tiny_drafter()
+  run = lambda prompts, **kw: evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, prompts,
+                                                     progress=False, **{"max_new_tokens": 4, **kw})
+  with pytest.raises(evaluate.EvaluationError, match="trained with block_size=4"):
+    run(TINY_PROMPTS, block_size=8)
+  with pytest.raises(evaluate.EvaluationError, match="context of 128"):
+    run([list(range(1, 100))], max_new_tokens=40)
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  with pytest.raises(evaluate.EvaluationError, match="empty file"):
+    evaluate.load_prompts(str(empty))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "ok"}\n{"messages": [{"role": "assistant", "content": "x"}]}\n')
+  with pytest.raises(evaluate.EvaluationError, match="line 2"):
+    evaluate.load_prompts(str(bad))
+  good = tmp_path / "good.jsonl"
+  good.write_text('{"prompt": "hi"}\n{"conversations": [{"from": "human", "value": "a"}, '
+                  '{"from": "gpt", "value": "b"}]}\n')
+  assert evaluate.load_prompts(str(good)) == [[{"role": "user", "content": "hi"}],
+                                              [{"role": "user", "content": "a"}]]
+
+
+# ---- the real SmolLM2 target ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+  return load_target(device="cpu")
+
+
+def smol_drafter(target, block_size=4):
+  info = target.info
+  cfg = DrafterConfig(hidden_size=info.hidden_size, intermediate_size=512, num_hidden_layers=1,
+                      num_attention_heads=info.num_attention_heads,
+                      num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
+                      vocab_size=info.vocab_size, num_target_layers=info.num_layers,
+                      target_layer_ids=default_target_layer_ids(info.num_layers, 2),
+                      mask_token_id=choose_mask_token_id(target), block_size=block_size,
+                      rope_theta=info.rope_theta)
+  graphdef, params = nnx.split(Drafter(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  return cfg, graphdef, params
+
+
+SMOL_PROMPTS = [[{"role": "user", "content": "What is the capital of France?"}],
+                [{"role": "user", "content": "Write a haiku about the sea."}]]
+
+
+def test_untrained_drafter_tau_close_to_one_on_smollm2(smollm2):
+  cfg, graphdef, params = smol_drafter(smollm2)
+  report = evaluate.evaluate_tau(smollm2, cfg, graphdef, params, SMOL_PROMPTS,
+                                 max_new_tokens=8, progress=False)
+  assert report["lossless"]["passed"] is True
+  assert 1.0 <= report["tau"] < 1.3, report["accept_length_histogram"]
+  assert report["tokens_per_second"]["speculative"] > 0
+  assert report["tokens_per_second"]["target_only"] > 0
+
+
+def test_cli_end_to_end(smollm2, tmp_path, monkeypatch):
+  from jax_drafter.export import write_zlab
+  cfg, graphdef, params = smol_drafter(smollm2)  # the same architecture: compiled code is reused
+  zdir = write_zlab(str(tmp_path / "zlab"), cfg, params, dtype="float32")
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "Say hi."}\n')
+  monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: smollm2)
+  out = tmp_path / "report.json"
+  rc = evaluate.main(["--drafter-dir", zdir, "--prompts", str(prompts), "--max-new-tokens", "6",
+                      "--json", str(out)])
+  assert rc == 0
+  report = json.loads(out.read_text())
+  assert report["block_size"] == 4 and report["lossless"]["passed"] is True
+  assert report["num_prompts"] == 1 and report["per_prompt"][0]["new_tokens"] <= 6
+  # An exported drafter carries no data split: default prompts are refused with a clear message.
+  assert evaluate.main(["--drafter-dir", zdir]) == 2
+  assert evaluate.main(["--drafter-dir", zdir, "--prompts", str(prompts), "--block-size", "5"]) == 2
