@@ -1,0 +1,216 @@
+"""python -m jax_drafter.bench: the full drafter training step, JAX vs the PyTorch path, same run.
+
+Each (case, side) runs in its own subprocess so peaks are clean and an out-of-memory on one side
+is reported, not fatal. The PyTorch side (bridge/bench_torch.py) is the reference drafter with
+compiled flex_attention and checkpointed chunked CE, f32 master weights, bf16 autocast, fused
+AdamW: what SpecForge-style trainers run. Both sides use random weights and identical shapes.
+
+  python -m jax_drafter.bench --case 27b-8k --case 8b-3k --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jax_drafter import presets
+
+H200_BF16_PEAK = 989e12
+
+CASES = {
+    "27b-8k": dict(arch="qwen3.6-27b", seq_len=8192, anchors=1024, batch=1),
+    "27b-32k": dict(arch="qwen3.6-27b", seq_len=32768, anchors=2048, batch=1),
+    "27b-64k": dict(arch="qwen3.6-27b", seq_len=65536, anchors=2048, batch=1),
+    "8b-3k": dict(arch="qwen3-8b", seq_len=3072, anchors=512, batch=4),
+    "tiny": dict(arch="tiny", seq_len=64, anchors=8, batch=2),   # CPU smoke test of the harness
+}
+
+
+def sample_anchors(S: int, N: int, B: int, seed: int = 0) -> np.ndarray:
+  """Sorted anchors uniform over [0, S-2] (one document, every token supervised), [B, N]."""
+  r = np.random.default_rng(seed)
+  return np.stack([np.sort(r.choice(S - 1, size=N, replace=False)) for _ in range(B)])
+
+
+def visible_keys(anchors: np.ndarray, K: int, window: int | None) -> int:
+  """Exact number of (query, key) pairs the DFlash mask allows, one document from position 0."""
+  a = anchors[..., None].astype(np.int64)
+  o = np.arange(K)
+  if window is None:
+    ctx = np.broadcast_to(a, a.shape[:-1] + (K,))
+    blk = np.full(K, K)
+  else:
+    ctx = a - np.maximum(0, a + o - (window - 1))
+    blk = o + 1
+  return int(np.clip(ctx, 0, None).sum() + blk.sum() * anchors.size)
+
+
+def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
+  """Model FLOPs of one training step (GPU.md's rule): matmuls fwd + input grad + weight grad
+  where those exist; the frozen LM head forward + input gradient only; fc without input gradient;
+  attention over visible keys only (fwd 2 matmuls, bwd 4)."""
+  D, I, V, K = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.block_size
+  Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  T, C, F = B * N * K, B * S, len(cfg.target_layer_ids) * D
+  anchors = sample_anchors(S, N, B)
+  parts = {"fc": 2 * C * F * D * 2, "lm_head": 2 * T * D * V * 2}
+  proj = mlp = attn = 0.0
+  for i in range(cfg.num_hidden_layers):
+    proj += 3 * 2 * (T * D * Hq * Dh * 2 + (C + T) * D * Hkv * Dh * 2)
+    mlp += 3 * 2 * T * D * I * 3
+    attn += 3 * 4 * Dh * Hq * visible_keys(anchors, K, cfg.window(i))
+  parts.update(projections=proj, mlp=mlp, attention=attn)
+  parts["total"] = sum(parts.values())
+  return parts
+
+
+def _worker_cmd(side: str, case: str, args) -> list[str]:
+  mod = "jax_drafter.bench" if side == "jax" else "bridge.bench_torch"
+  cmd = [sys.executable, "-m", mod, "--worker", "--case", case, "--steps", str(args.steps),
+         "--ce-chunk", str(args.ce_chunk), "--remat", args.remat]
+  if side == "jax" and args.attention:
+    cmd += ["--attention", args.attention]
+  if side == "torch":
+    cmd += ["--attention", args.torch_attention]
+  return cmd
+
+
+def run_worker(side: str, case: str, args) -> dict:
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+  t0 = time.time()
+  try:
+    p = subprocess.run(_worker_cmd(side, case, args), capture_output=True, text=True, env=env,
+                       timeout=args.timeout)
+  except subprocess.TimeoutExpired:
+    return {"status": f"timed out after {args.timeout} s"}
+  for line in reversed(p.stdout.splitlines()):
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  tail = (p.stderr or p.stdout).strip().splitlines()[-6:]
+  return {"status": f"crashed (exit {p.returncode}) after {time.time() - t0:.0f} s",
+          "log": "\n".join(tail)}
+
+
+def _fmt(r: dict, flops: float) -> str:
+  if r.get("status") != "ok":
+    return f"{r.get('status')}" + (f" ({r['failed_alloc']})" if r.get("failed_alloc") else "")
+  ms = r["step_ms"]
+  tf = flops / (ms / 1e3) / 1e12
+  return (f"compile {r['compile_s']:6.1f} s | step {ms:8.1f} ms | peak {r['peak_gib']:6.2f} GiB | "
+          f"{tf:6.1f} TFLOP/s ({100 * tf * 1e12 / H200_BF16_PEAK:4.1f}% of 989)")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jax_drafter.bench", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable; default 27b-8k")
+  ap.add_argument("--steps", type=int, default=6, help="timed steps after one warm-up (median)")
+  ap.add_argument("--ce-chunk", type=int, default=2048)
+  ap.add_argument("--remat", default="none", choices=("none", "layer", "full", "offload"))
+  ap.add_argument("--attention", default=None, help="JAX attention implementation (default: best)")
+  ap.add_argument("--torch-attention", default="flex", choices=("flex", "sdpa", "eager"))
+  ap.add_argument("--side", action="append", choices=("jax", "torch"), help="default: both")
+  ap.add_argument("--timeout", type=int, default=900)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    return _jax_worker(args)
+  cases = args.case or ["27b-8k"]
+  sides = args.side or ["jax", "torch"]
+  report = {}
+  for case in cases:
+    c = CASES[case]
+    cfg = presets.get(c["arch"])
+    flops = model_flops(cfg, c["seq_len"], c["anchors"], c["batch"])
+    res = {side: run_worker(side, case, args) for side in sides}
+    report[case] = {"shape": c, "model_tflop": flops["total"] / 1e12,
+                    "flops_breakdown_tflop": {k: v / 1e12 for k, v in flops.items()}, **res}
+    print(f"\n== {case}: {c} model work {flops['total'] / 1e12:.4g} TFLOP "
+          f"({', '.join(f'{k} {v / 1e12:.3g}' for k, v in flops.items() if k != 'total')})")
+    for side in sides:
+      print(f"  {side:5s} {_fmt(res[side], flops['total'])}")
+      if res[side].get("log"):
+        print("        " + res[side]["log"].replace("\n", "\n        "))
+    if all(res.get(s, {}).get("status") == "ok" for s in ("jax", "torch")):
+      j, t = res["jax"], res["torch"]
+      ratio = dict(time=j["step_ms"] / t["step_ms"],
+                   memory=j["peak_gib"] / t["peak_gib"] if t["peak_gib"] else None)
+      report[case]["jax_over_torch"] = ratio
+      mem = f"{ratio['memory']:.3f}x" if ratio["memory"] else "n/a (no device memory stats)"
+      print(f"  JAX/PyTorch: time {ratio['time']:.3f}x, peak memory {mem}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=2)
+  return 0
+
+
+# ---- the JAX worker (runs in its own process) ----
+
+def _failed_alloc(msg: str) -> str | None:
+  import re
+  m = re.search(r"(?:allocate|allocating)\D{0,20}([\d.]+\s*[KMGT]i?B|\d+ bytes)", msg)
+  return m.group(1) if m else None
+
+
+def _jax_worker(args) -> int:
+  import jax
+  import jax.numpy as jnp
+  from jax_drafter import step as step_lib
+  from jax_drafter.config import TrainSection
+
+  c = CASES[args.case[0]]
+  cfg = presets.get(c["arch"])
+  S, N, B = c["seq_len"], c["anchors"], c["batch"]
+  on_cpu = jax.default_backend() == "cpu"
+  t = TrainSection(steps=1000, num_anchors=N, ce_chunk_size=args.ce_chunk, remat=args.remat,
+                   compute_dtype="float32" if on_cpu else "bfloat16", attention=args.attention)
+  result = {"status": "ok", "backend": jax.default_backend(), "device": str(jax.devices()[0])}
+  try:
+    opt = step_lib.make_optimizer(t)
+    graphdef, state = step_lib.init_state(cfg, t, opt)
+    k = jax.random.split(jax.random.key(0), 4)
+    fdt = jnp.float32 if on_cpu else jnp.bfloat16
+    F = len(cfg.target_layer_ids) * cfg.hidden_size
+    batch = {"input_ids": jax.random.randint(k[0], (1, B, S), 0, cfg.vocab_size - 1, jnp.int32),
+             "loss_mask": jnp.ones((1, B, S), jnp.int32), "doc_id": jnp.zeros((1, B, S), jnp.int32),
+             "position_ids": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, B, S)),
+             "features": jax.random.normal(k[1], (1, B, S, F), fdt)}
+    frozen = {"embed": (jax.random.normal(k[2], (cfg.vocab_size, cfg.hidden_size), fdt) * 0.02),
+              "lm_head": (jax.random.normal(k[3], (cfg.vocab_size, cfg.hidden_size), fdt) * 0.02)}
+    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, cfg, t, opt,
+                                                          {"implementation": args.attention}
+                                                          if args.attention else None))
+    t0 = time.perf_counter()
+    state, m = fn(state, batch, frozen)
+    jax.block_until_ready(m)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.steps):
+      t0 = time.perf_counter()
+      state, m = fn(state, batch, frozen)
+      jax.block_until_ready(m)
+      times.append(time.perf_counter() - t0)
+    stats = jax.devices()[0].memory_stats() or {}
+    med = statistics.median(times)
+    result.update(step_ms=med * 1e3, steps_ms=[x * 1e3 for x in times],
+                  compile_s=first - med, loss=float(m["loss"]),
+                  peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
+  except Exception as e:  # noqa: BLE001 - an OOM must be a result, not a crash
+    msg = str(e)
+    oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+    result = {"status": "out of memory" if oom else f"error: {type(e).__name__}: {msg[:300]}",
+              "failed_alloc": _failed_alloc(msg) if oom else None}
+  print("RESULT " + json.dumps(result), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

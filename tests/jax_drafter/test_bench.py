@@ -1,0 +1,33 @@
+"""The benchmark harness: FLOP counting by hand, and both sides of a tiny case run on CPU."""
+
+import json
+
+import numpy as np
+
+from jax_drafter import bench, presets
+
+
+def test_visible_keys_hand_counted():
+  a = np.array([[3, 6]])
+  # Full layer, K=2: each query sees a context keys + 2 block keys: (3+2)*2 + (6+2)*2.
+  assert bench.visible_keys(a, 2, None) == 26
+  # Sliding window 2, K=2: offset o sees a - max(0, a+o-1) context keys (1, 0) + o+1 block keys.
+  assert bench.visible_keys(a, 2, 2) == (1 + 0 + 1 + 2) * 2
+  # Anchor 0 with a full layer sees no context.
+  assert bench.visible_keys(np.array([[0]]), 4, None) == 16
+
+
+def test_model_flops_of_the_27b_case_match_the_documented_figure():
+  f = bench.model_flops(presets.qwen36_27b(), 8192, 1024, 1)
+  assert 250e12 < f["total"] < 262e12          # GPU.md: "about 256 TFLOP of model work"
+  assert f["lm_head"] == 2 * 16384 * 5120 * 248320 * 2
+
+
+def test_tiny_case_runs_both_sides(tmp_path):
+  out = tmp_path / "b.json"
+  assert bench.main(["--case", "tiny", "--steps", "1", "--ce-chunk", "32", "--torch-attention",
+                     "eager", "--json", str(out)]) == 0
+  r = json.load(open(out))["tiny"]
+  assert r["jax"]["status"] == "ok" and r["torch"]["status"] == "ok", r
+  assert r["jax"]["step_ms"] > 0 and np.isfinite(r["jax"]["loss"]) and np.isfinite(r["torch"]["loss"])
+  assert r["jax_over_torch"]["time"] > 0
