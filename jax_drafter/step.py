@@ -106,9 +106,14 @@ def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
       g, sums = grad_fn(state.params, micro, frozen, jax.random.fold_in(key, i))
       return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, sums)), None
 
-    zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-    zeros_s = objective.Sums(*([jnp.zeros((), jnp.float32)] * len(objective.Sums._fields)))
-    (g, sums), _ = jax.lax.scan(accumulate, (zeros_g, zeros_s), (batch, jnp.arange(A)))
+    if A == 1:
+      # No accumulation buffer: saves a parameter-sized f32 array and an add per step.
+      g, sums = grad_fn(state.params, jax.tree.map(lambda x: x[0], batch), frozen,
+                        jax.random.fold_in(key, 0))
+    else:
+      zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+      zeros_s = objective.Sums(*([jnp.zeros((), jnp.float32)] * len(objective.Sums._fields)))
+      (g, sums), _ = jax.lax.scan(accumulate, (zeros_g, zeros_s), (batch, jnp.arange(A)))
     # Normalise by the global sum of weights: sum(CE*w)/sum(w) over the whole batch.
     g = jax.tree.map(lambda x: x / jnp.maximum(sums.w, 1e-9), g)
     updates, opt_state = optimizer.update(g, state.opt_state, state.params)
