@@ -1,0 +1,139 @@
+"""jax_drafter.memory on CPU: the compiled memory plan names its buffers, budgets, remat equality.
+
+XLA plans memory differently on CPU and GPU; these tests assert CPU behaviour only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_drafter import memory
+from jax_drafter import step as step_lib
+from jax_drafter.config import DrafterConfig, TrainSection
+
+TOL = dict(atol=1e-5, rtol=1e-5)     # remat only reorders f32 arithmetic
+
+
+def _plan(**train):
+  plan = memory.build_plan("tiny", ["drafter.num_hidden_layers=1",
+                                    "drafter.layer_types=[sliding_attention]"])
+  return plan.replace(**train) if train else plan
+
+
+def _ce_buffer(rep: memory.Report) -> memory.Buffer:
+  """The chunk-logits buffer [C, V] of chunked_cross_entropy (largest from objective.py)."""
+  cands = [b for b in rep.all_buffers
+           if b.source.startswith("jax_drafter/objective.py") and b.function.endswith(".chunk")]
+  assert cands, memory.format_report(rep)
+  return max(cands, key=lambda b: b.size)
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+  return tuple(int(d) for d in re.search(r"\[([\d,]*)\]", shape).group(1).split(",") if d)
+
+
+@pytest.fixture(scope="module")
+def base():
+  return memory.analyze(_plan())
+
+
+def test_report_names_ce_and_attention_buffers_with_project_lines(base):
+  text = memory.format_report(base)
+  assert "predicted peak" in text and "optimizer state" in text
+  ce = _ce_buffer(base)
+  plan = _plan()
+  C, V = plan.train.ce_chunk_size, plan.cfg.vocab_size
+  assert set(_dims(ce.shape)) >= {C, V}, ce
+  assert re.match(r"jax_drafter/objective\.py:\d+$", ce.source)
+  attn = [b for b in base.all_buffers
+          if b.source.startswith("pallas_kernels/dflash_attention/reference.py")]
+  assert attn and all(b.function == "dflash_attention_reference" for b in attn)
+  S = plan.seq_len
+  assert any(S in _dims(b.shape) for b in attn), [b.shape for b in attn]   # the [.., S] scores
+  assert base.peak_buffers and base.peak_bytes >= base.temp_bytes > 0
+  assert base.peak_bytes == (base.argument_bytes + base.output_bytes - base.alias_bytes
+                             + base.temp_bytes)
+
+
+def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
+  # One compile for both (CPU compiles are slow): the [C, V] chunk logits become [2C, 2V].
+  plan = _plan()
+  plan = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, vocab_size=2 * plan.cfg.vocab_size))
+  plan = plan.replace(ce_chunk_size=2 * plan.train.ce_chunk_size)
+  old, new = _ce_buffer(base), _ce_buffer(memory.analyze(plan))
+  C, V = plan.train.ce_chunk_size, plan.cfg.vocab_size
+  assert set(_dims(new.shape)) >= {C, V}, new
+  assert new.size == 4 * old.size, (old, new)
+  assert new.source == old.source and new.function == old.function
+
+
+def test_budget_smaller_than_parameters_cannot_fit(base):
+  fit = memory.fit_to_budget(_plan(), base.arguments["parameters"] // 2, base, log=lambda *_: None)
+  assert not fit.fits
+  assert "cannot fit" in fit.message and "arguments alone" in fit.message
+  assert "parameters" in fit.message and "optimizer state" in fit.message
+
+
+def test_budget_that_fits_keeps_the_config(base):
+  fit = memory.fit_to_budget(_plan(), 2 * base.peak_bytes, base)
+  assert fit.fits and fit.plan.train.remat == "none" and "fits" in fit.message
+  assert memory.parse_size("96GiB") == 96 << 30 and memory.parse_size("1.5 GB") == 1_500_000_000
+  with pytest.raises(ValueError, match="96GiB"):
+    memory.parse_size("lots")
+
+
+# ---- remat policies give the same loss and gradients as no remat ----
+
+CFG = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, vocab_size=128, num_target_layers=8,
+                    target_layer_ids=(1, 4), mask_token_id=3,
+                    layer_types=("sliding_attention", "full_attention"), sliding_window=16)
+T0 = TrainSection(num_anchors=4, ce_chunk_size=16)
+
+
+@pytest.fixture(scope="module")
+def remat_inputs():
+  graphdef, state = step_lib.init_state(CFG, T0, step_lib.make_optimizer(T0))
+  B, S = 2, 48
+  k = jax.random.split(jax.random.key(0), 5)
+  micro = {"input_ids": jax.random.randint(k[0], (B, S), 0, CFG.vocab_size),
+           "loss_mask": (jax.random.uniform(k[4], (B, S)) < 0.8).astype(jnp.int32),
+           "doc_id": (jnp.arange(S) >= S // 2).astype(jnp.int32)[None].repeat(B, 0),
+           "position_ids": jnp.tile(jnp.arange(S) % (S // 2), (B, 1)),
+           "features": jax.random.normal(k[1], (B, S, 2 * CFG.hidden_size))}
+  frozen = {"embed": jax.random.normal(k[2], (CFG.vocab_size, CFG.hidden_size)),
+            "lm_head": jax.random.normal(k[3], (CFG.vocab_size, CFG.hidden_size))}
+  return graphdef, state.params, micro, frozen
+
+
+def _loss_and_grad(remat, graphdef, params, micro, frozen):
+  t = dataclasses.replace(T0, remat=remat)
+  fn = lambda p: step_lib.micro_sums(graphdef, p, micro, frozen, jax.random.key(1), cfg=CFG, t=t).wce
+  return jax.jit(jax.value_and_grad(fn))(params)
+
+
+@pytest.fixture(scope="module")
+def no_remat(remat_inputs):
+  return _loss_and_grad("none", *remat_inputs)
+
+
+@pytest.mark.parametrize("remat", ["layer", "full", "offload"])
+def test_remat_policy_same_loss_and_grads(remat, remat_inputs, no_remat):
+  if remat == "offload" and not memory.offload_supported():
+    with pytest.raises(Exception):
+      jax.block_until_ready(_loss_and_grad(remat, *remat_inputs))
+    pytest.skip("this backend has no pinned_host memory: offload is unsupported here")
+  loss, grads = _loss_and_grad(remat, *remat_inputs)
+  loss0, grads0 = no_remat
+  assert float(loss0) > 0
+  np.testing.assert_allclose(loss, loss0, **TOL)
+  flat, flat0 = jax.tree.leaves(grads), jax.tree.leaves(grads0)
+  assert len(flat) == len(flat0)
+  for g, g0 in zip(flat, flat0):
+    np.testing.assert_allclose(g, g0, **TOL)
