@@ -1,0 +1,318 @@
+"""Benchmark of the DFlash attention kernel on the GPU, side by side with its alternatives.
+
+  python -m pallas_kernels.dflash_attention.bench [--shapes 8192x1024,...] [--no-torch] [--tune]
+
+Qwen3.6-27B drafter shapes: Hq 32, Hkv 8, D 128, block 16, bf16, one row, one document; sliding
+(window 2048) and full layers. Reports median fwd and fwd+bwd times after warm-up, useful TFLOP/s
+(visible keys only: 4*D FLOPs per query row, head and visible key forward; fwd+bwd counts 3.5x
+the forward, the flash-attention convention of 2.5x for the backward's five matmuls), and memory.
+Memory for JAX is the compiled executable's arguments + outputs + temporaries (XLA's plan, exact
+for one call); "ideal" is inputs + outputs (+ gradients). Alternatives in the same run:
+  xla    the dense-mask reference under XLA (materialises [Q, S] scores; only where it fits),
+  cudnn  jax.nn.dot_product_attention(implementation="cudnn"), dense causal self-attention over
+         T = N*16 tokens with the same heads (a ceiling: the best fused attention on this GPU),
+  flex   torch flex_attention compiled on the identical mask (bridge.torch_attention), block mask
+         built once outside the timed region; "flex+mask" is the bridge's whole call.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.dflash_attention import api
+from pallas_kernels.dflash_attention import config as config_lib
+from pallas_kernels.dflash_attention import triton as dflash_triton
+
+HQ, HKV, HEAD_DIM, BLOCK, WINDOW = 32, 8, 128, 16, 2048
+SHAPES = ((8192, 1024), (32768, 2048), (65536, 2048))
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass
+class Row:
+  impl: str
+  layer: str
+  shape: str
+  fwd_ms: float | None = None
+  fwd_tflops: float | None = None
+  step_ms: float | None = None
+  step_tflops: float | None = None
+  mem_gib: float | None = None
+  note: str = ""
+
+  def line(self):
+    f = lambda x, p: "-" if x is None else f"{x:.{p}f}"
+    return (f"{self.impl:12s} {self.layer:8s} {self.shape:12s} {f(self.fwd_ms, 2):>9s} "
+            f"{f(self.fwd_tflops, 0):>6s} {f(self.step_ms, 2):>9s} {f(self.step_tflops, 0):>6s} "
+            f"{f(self.mem_gib, 2):>8s}  {self.note}")
+
+
+HEADER = (f"{'impl':12s} {'layer':8s} {'S/N':12s} {'fwd ms':>9s} {'TF/s':>6s} {'fwd+bwd':>9s} "
+          f"{'TF/s':>6s} {'mem GiB':>8s}  note")
+
+
+def make_problem(S: int, N: int, seed: int = 0):
+  """One row, one document, N distinct sorted anchors, random bf16 q/k/v (never zeros)."""
+  rng = np.random.default_rng(seed)
+  anchors = np.sort(rng.choice(np.arange(1, S), N, replace=False))[None].astype(np.int32)
+  doc_start = np.zeros_like(anchors)
+  valid = np.ones_like(anchors, bool)
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  Q = N * BLOCK
+  shapes = ((1, Q, HQ, HEAD_DIM), (1, S, HKV, HEAD_DIM), (1, S, HKV, HEAD_DIM),
+            (1, Q, HKV, HEAD_DIM), (1, Q, HKV, HEAD_DIM))
+  xs = tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes))
+  return xs, (anchors, doc_start, valid)
+
+
+def visible_keys(anchors, doc_start, *, S: int, window: int | None) -> int:
+  """Number of (query token, visible key) pairs, per head."""
+  a = anchors.astype(np.int64)[..., None]
+  o = np.arange(BLOCK)[None, None, :]
+  lower = doc_start[..., None] + 0 * o
+  if window is not None:
+    lower = np.maximum(lower, a + o - (window - 1))
+  ctx = np.clip(a - lower, 0, None).sum()  # over [B, N, K]
+  blk = anchors.size * (BLOCK * BLOCK if window is None else BLOCK * (BLOCK + 1) // 2)
+  return int(ctx + blk)
+
+
+def median_time(fn, *args, warmup: int = 2, reps: int = 7) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return statistics.median(ts)
+
+
+def jax_memory_gib(jitted, *args) -> float:
+  m = jitted.lower(*args).compile().memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes) / GIB
+
+
+def _fwd_and_step(attn):
+  """Jitted forward, and jitted forward + vjp (random cotangent) returning all gradients."""
+  fwd = jax.jit(attn)
+
+  @jax.jit
+  def step(ct, *xs):
+    out, vjp = jax.vjp(attn, *xs)
+    return out, vjp(ct)
+  return fwd, step
+
+
+def bench_jax(impl: str, name: str, xs, idx, *, window, flops_fwd, shape, reps, cfg=None,
+              interpret=False):
+  anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
+  if impl == "triton":
+    attn = lambda *x: dflash_triton.dflash_attention_triton(
+        *x, anchors, doc_start, valid, block_size=BLOCK, window=window, config=cfg,
+        interpret=interpret)
+  else:
+    attn = lambda *x: api.dflash_attention(*x, anchors, doc_start, valid, block_size=BLOCK,
+                                           window=window, implementation=impl)
+  return bench_jax_fn(attn, xs, flops_fwd, Row(name, "full" if window is None else f"w{window}",
+                                                shape), reps)
+
+
+def bench_cudnn(S: int, N: int, reps: int):
+  T = N * BLOCK
+  keys = jax.random.split(jax.random.PRNGKey(2), 4)
+  q = jax.random.normal(keys[0], (1, T, HQ, HEAD_DIM), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, T, HKV, HEAD_DIM), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, T, HKV, HEAD_DIM), jnp.bfloat16)
+  attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation="cudnn")
+  flops = 4 * HEAD_DIM * HQ * T * (T + 1) / 2
+  return bench_jax_fn(attn, (q, k, v), flops, Row("cudnn-causal", f"T={T}", f"{S}x{N}"), reps)
+
+
+def bench_jax_fn(attn, xs, flops_fwd, row, reps):
+  fwd, step = _fwd_and_step(attn)
+  ct = jax.random.normal(jax.random.PRNGKey(1), xs[0].shape, xs[0].dtype)
+  try:
+    row.mem_gib = jax_memory_gib(step, ct, *xs)
+    t = median_time(fwd, *xs, reps=reps)
+    row.fwd_ms, row.fwd_tflops = t * 1e3, flops_fwd / t / 1e12
+    t = median_time(step, ct, *xs, reps=reps)
+    row.step_ms, row.step_tflops = t * 1e3, 3.5 * flops_fwd / t / 1e12
+  except Exception as e:  # noqa: BLE001
+    row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+  return row
+
+
+def bench_flex(xs, idx, *, window, flops_fwd, shape, reps):
+  """torch flex_attention (compiled) on the identical mask, through bridge.torch_attention."""
+  try:
+    import torch
+    from bridge import torch_attention
+  except ImportError as e:
+    return [Row("flex", "-", shape, note=f"bridge.torch_attention unavailable: {e}")]
+  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  layer = "full" if window is None else f"w{window}"
+  tq, tkc, tvc, tkb, tvb = (torch.from_numpy(np.array(x.astype(jnp.float32))).to(dev)
+                            .to(torch.bfloat16).requires_grad_() for x in xs)
+  anchors, doc_start, valid = (torch.from_numpy(np.array(v)).to(dev) for v in idx)
+  S = tkc.shape[1]
+  kw = dict(block_size=BLOCK, window=window, scale=HEAD_DIM ** -0.5)
+
+  def timed(fn, backward: bool):
+    ct = torch.randn_like(fn()) if backward else None
+
+    def once():
+      out = fn()
+      if backward:
+        torch.autograd.grad(out, (tq, tkc, tvc, tkb, tvb), ct)
+    for _ in range(2):
+      once()
+    ts = []
+    for _ in range(reps if dev.type == "cuda" else 0):
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      once()
+      end.record()
+      torch.cuda.synchronize()
+      ts.append(start.elapsed_time(end) / 1e3)
+    if dev.type == "cpu":  # smoke test of this function only
+      t = time.perf_counter()
+      once()
+      return time.perf_counter() - t
+    return statistics.median(ts)
+
+  from torch.nn.attention.flex_attention import flex_attention
+  compiled = torch.compile(flex_attention, dynamic=False)
+  block_mask = torch_attention.flex_block_mask(anchors, doc_start, valid, seq_len=S, **{
+      k: kw[k] for k in ("block_size", "window")})
+
+  def kernel_only():
+    k = torch.cat([tkc, tkb], 1).transpose(1, 2)
+    v = torch.cat([tvc, tvb], 1).transpose(1, 2)
+    return compiled(tq.transpose(1, 2), k, v, block_mask=block_mask, scale=kw["scale"],
+                    enable_gqa=True)
+
+  def whole_call():
+    return torch_attention.dflash_attention_torch(tq, tkc, tvc, tkb, tvb, anchors, doc_start,
+                                                  valid, backend="flex", **kw)
+  rows = []
+  for name, fn in (("flex", kernel_only), ("flex+mask", whole_call)):
+    row = Row(name, layer, shape)
+    try:
+      cuda = dev.type == "cuda"
+      if cuda:
+        torch.cuda.reset_peak_memory_stats()
+      base = torch.cuda.memory_allocated() if cuda else 0
+      t = timed(fn, False)
+      row.fwd_ms, row.fwd_tflops = t * 1e3, flops_fwd / t / 1e12
+      t = timed(fn, True)
+      row.step_ms, row.step_tflops = t * 1e3, 3.5 * flops_fwd / t / 1e12
+      if cuda:  # peak over the timed calls, plus the inputs allocated before the reset
+        row.mem_gib = (torch.cuda.max_memory_allocated() - base) / GIB + sum(
+            x.numel() * x.element_size() for x in (tq, tkc, tvc, tkb, tvb)) / GIB
+    except Exception as e:  # noqa: BLE001
+      row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    rows.append(row)
+  return rows
+
+
+_B = config_lib.H200
+TUNE_VARIANTS = {
+    "h200": config_lib.H200,
+    "dq32w4": dataclasses.replace(_B, dq_keys=32, dq_warps=4, dq_stages=3),
+    "dqw4": dataclasses.replace(_B, dq_warps=4, dq_stages=3),
+    "dkv128w4": dataclasses.replace(_B, dkv_keys=128, dkv_warps=4, dkv_stages=3),
+    "dkv128w8": dataclasses.replace(_B, dkv_keys=128, dkv_warps=8, dkv_stages=3),
+    "dkv64s2": dataclasses.replace(_B, dkv_stages=2),
+    "fwd128k": dataclasses.replace(_B, fwd_keys=128, fwd_stages=2),
+    "fwd64x128": dataclasses.replace(config_lib.H200, fwd_keys=128, fwd_rows=64),
+    "fwd128x128": dataclasses.replace(config_lib.H200, fwd_keys=128, fwd_stages=2),
+    "fwd256x64": dataclasses.replace(config_lib.H200, fwd_rows=256, fwd_stages=2),
+    "dkv128x64": dataclasses.replace(config_lib.H200, dkv_rows=128, dkv_keys=64),
+    "dkv64x64w4": dataclasses.replace(config_lib.H200, dkv_keys=64, dkv_warps=4, dkv_stages=3),
+    "dq64x64": dataclasses.replace(config_lib.H200, dq_rows=64, dq_warps=4, dq_stages=3),
+    "fwdw4": dataclasses.replace(config_lib.H200, fwd_warps=4),
+    "smem100k": config_lib.SMEM_100KB,
+}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", default=",".join(f"{s}x{n}" for s, n in SHAPES))
+  p.add_argument("--layers", default="sliding,full")
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--no-torch", action="store_true")
+  p.add_argument("--no-baselines", action="store_true", help="only the Pallas kernel")
+  p.add_argument("--tune", default="", help="comma list of TUNE_VARIANTS (first shape only)")
+  p.add_argument("--config", default="default", help="default or a TUNE_VARIANTS name")
+  p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
+  p.add_argument("--budget-s", type=float, default=1e9,
+                 help="skip the remaining baselines once this much wall time has passed")
+  args = p.parse_args(argv)
+  t0 = time.perf_counter()
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  cfg = None if args.config == "default" else TUNE_VARIANTS[args.config]
+  rows, problems = [], []
+
+  def emit(r):
+    rows.append(r)
+    print(r.line(), flush=True)
+
+  print(HEADER, flush=True)
+  # Phase 1: the Pallas kernel on every shape (and tuning variants on the first problem).
+  for shape in args.shapes.split(","):
+    S, N = (int(v) for v in shape.split("x"))
+    xs, idx = make_problem(S, N)
+    ideal = sum(x.size * x.dtype.itemsize for x in xs) * 2 + xs[0].size * 2 * 2
+    print(f"# {shape}: ideal fwd+bwd memory (inputs + grads + out + dout) {ideal / GIB:.2f} GiB",
+          flush=True)
+    for layer in args.layers.split(","):
+      window = WINDOW if layer == "sliding" else None
+      flops = 4 * HEAD_DIM * HQ * visible_keys(idx[0], idx[1], S=S, window=window)
+      common = dict(window=window, flops_fwd=flops, shape=shape, reps=args.reps)
+      problems.append((S, N, layer, xs, idx, common))
+      tune = args.tune.split(",") if args.tune and len(problems) == 1 else []
+      for name in tune:
+        emit(bench_jax("triton", f"tune:{name}", xs, idx, cfg=TUNE_VARIANTS[name],
+                       interpret=args.interpret, **common))
+      emit(bench_jax("triton", "pallas", xs, idx, cfg=cfg, interpret=args.interpret, **common))
+  if args.no_baselines or args.interpret:
+    return
+  # Phase 2: baselines, cheapest first; an allocation failure or the budget costs only the rest.
+  over = lambda: time.perf_counter() - t0 > args.budget_s
+  for S, N in dict.fromkeys((S, N) for S, N, *_ in problems):
+    if not over():
+      emit(bench_cudnn(S, N, args.reps))
+  for S, N, layer, xs, idx, common in problems:
+    if not args.no_torch and not over():
+      try:
+        for r in bench_flex(xs, idx, **common):
+          emit(r)
+      except Exception as e:  # noqa: BLE001
+        emit(Row("flex", layer, common["shape"], note=f"{type(e).__name__}: {e}"[:100]))
+  for S, N, layer, xs, idx, common in problems:
+    # Dense XLA reference: [Q, Hq, S] f32 scores, about five such tensors live in the backward.
+    if 5 * N * BLOCK * HQ * S * 4 > 120 * GIB:
+      emit(Row("xla-ref", layer, common["shape"], note="skipped: dense [Q,Hq,S] scores too big"))
+    elif not over():
+      emit(bench_jax("xla", "xla-ref", xs, idx, **common))
+  print("\n" + HEADER)
+  for r in rows:
+    print(r.line())
+
+
+if __name__ == "__main__":
+  main()
