@@ -9,6 +9,7 @@ in config.py. Peak = arguments + outputs that do not reuse a donated input + tem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -244,12 +245,24 @@ def _buffer(name: str, size: int, values, instrs) -> Buffer:
                 ins.source, ins.function)
 
 
+@contextlib.contextmanager
+def _fresh_compile():
+  """A persistent-cache hit would skip XLA and write no dump files: compile for real."""
+  old = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", old)
+
+
 def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_dir: str | None = None,
                         fast: bool = True, top: int = 12):
   """Compile `lowered` with XLA's text dumps on, read them -> (Report, compiled)."""
   tmp = tempfile.mkdtemp(prefix="xla_mem_")
   try:
-    compiled = lowered.compile(compiler_options=_dump_options(tmp, fast))
+    with _fresh_compile():
+      compiled = lowered.compile(compiler_options=_dump_options(tmp, fast))
     ma = compiled.memory_analysis()
     files = xla_dump.find_dump_files(tmp)
     hlo_text = open(files["hlo"]).read()
