@@ -17,6 +17,7 @@ bridge.handoff).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -24,6 +25,8 @@ import sys
 import time
 
 import numpy as np
+
+from jax_drafter import presets
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # torch shares the GPU
 
@@ -58,14 +61,8 @@ PRESETS = {
                               layer_types=("sliding_attention", "full_attention"),
                               sliding_window=6),
                  batch=2, seq_len=64, num_anchors=8, chunk=16),
-    # The Qwen3.6-27B DFlash drafter: 5 layers (4 sliding + 1 full), target layer ids by the DESIGN
-    # rule for 5 of 64 target layers.
-    "qwen3.6-27b": dict(drafter=dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=5,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                     vocab_size=248320, num_target_layers=64,
-                                     target_layer_ids=(1, 16, 31, 46, 61), mask_token_id=248077,
-                                     block_size=16, layer_types=("sliding_attention",) * 4
-                                     + ("full_attention",), sliding_window=2048),
+    # The Qwen3.6-27B DFlash drafter (jax_drafter/presets.py, shared with bench and memory).
+    "qwen3.6-27b": dict(drafter=dataclasses.asdict(presets.qwen36_27b()),
                         batch=1, seq_len=8192, num_anchors=1024, chunk=1024),
 }
 PERTURBED = "layers.0.mlp.down_proj.weight"
@@ -115,7 +112,6 @@ def resolve(args):
     if not (args.run_dir or args.zlab):
       raise ConfigError(f"{args.config}: a run config does not fix the drafter's shapes on its own "
                         "(they come from the target); pass --run-dir or --zlab with it")
-  import dataclasses
   # The schedule keeps the run's horizon (t.steps): --steps only says how many steps to compare.
   t = dataclasses.replace(t, compute_dtype=args.dtype,
                           num_anchors=args.num_anchors or N)
