@@ -96,3 +96,22 @@ def test_accumulated_loss_is_normalised_by_the_global_weight_sum():
   wce = sum(float(p.wce) for p in parts)
   w = sum(float(p.w) for p in parts)
   assert float(m["loss"]) == pytest.approx(wce / w, rel=1e-5)
+
+
+def test_drafter_with_the_pallas_kernel_in_interpret_mode_matches_xla():
+  import dataclasses
+  cfg = dataclasses.replace(CFG, head_dim=16)       # the kernel needs head_dim >= 16
+  t = TrainSection(num_anchors=3)
+  g, state = st.init_state(cfg, t, st.make_optimizer(t))
+  micro = {k: jnp.asarray(v[0]) for k, v in _batch(B=1).items()}
+  key = jax.random.key(5)
+
+  def loss_and_grad(attn):
+    f = lambda p: st.micro_sums(g, p, micro, _frozen(), key, cfg=cfg, t=t, attn_impl=attn).wce
+    return jax.jit(jax.value_and_grad(f))(state.params)
+
+  ref_val, ref_grad = loss_and_grad({"implementation": "xla"})
+  val, grad = loss_and_grad({"implementation": "triton", "interpret": True})
+  np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
