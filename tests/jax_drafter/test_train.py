@@ -130,3 +130,14 @@ def test_real_default_run_shortened(tmp_path):
   losses = _losses(out)
   assert sorted(losses) == [1, 2, 3] and all(np.isfinite(list(losses.values())))
   assert os.path.exists(os.path.join(out, "export", "model.safetensors"))
+
+
+def test_memory_report_for_the_run_it_starts(tiny_target_dir, sharegpt_sample, tmp_path):
+  out, rep = str(tmp_path / "mem"), str(tmp_path / "mem_report")
+  summary = trainer.train(_cfg(tiny_target_dir, sharegpt_sample, out, "train.steps=1"),
+                          memory_report=rep)
+  m = summary["memory"]
+  assert m["predicted_peak_bytes"] > m["arguments"]["parameters"] > 0
+  assert "measured_peak_bytes" in m            # None on CPU (no allocator statistics)
+  text = open(os.path.join(rep, "report.txt")).read()
+  assert "objective.py" in text                # the chunked-CE buffer is named with its source
