@@ -57,11 +57,13 @@ def setup(cfg: RunConfig):
   target_lib.check_mask_token_id(target, dcfg.mask_token_id)
   regen, regen_key = None, ""
   if cfg.data.regenerate:
+    # DFlash trains on the target's own outputs: the target rewrites the assistant turns first
+    # (greedy), cached on disk and keyed by the target's fingerprint and the generation settings.
     from bridge import regenerate as regen_lib
-    regen_key = json.dumps({"target": target.name, "max_new": cfg.data.regenerate_max_new_tokens})
     cache_path = os.path.join(cfg.data.cache_dir or cfg.train.output_dir, "regenerated.jsonl")
-    regen = lambda convs: regen_lib.regenerate_conversations(
-        target.model, target.tokenizer, convs, max_new_tokens=cfg.data.regenerate_max_new_tokens,
+    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    regen, regen_key = regen_lib.make_regenerator(
+        target.model, target.tokenizer, max_new_tokens=cfg.data.regenerate_max_new_tokens,
         cache_path=cache_path, seed=cfg.data.seed)
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,

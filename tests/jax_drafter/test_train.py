@@ -141,3 +141,14 @@ def test_memory_report_for_the_run_it_starts(tiny_target_dir, sharegpt_sample, t
   assert "measured_peak_bytes" in m            # None on CPU (no allocator statistics)
   text = open(os.path.join(rep, "report.txt")).read()
   assert "objective.py" in text                # the chunked-CE buffer is named with its source
+
+
+def test_training_on_target_regenerated_conversations(tiny_target_dir, sharegpt_sample, tmp_path):
+  out = str(tmp_path / "regen")
+  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.steps=1", "data.regenerate=true",
+             "data.regenerate_max_new_tokens=8", "data.max_conversations=6", "data.held_out=1",
+             f"data.cache_dir={tmp_path / 'cache'}")
+  summary = trainer.train(cfg)
+  assert summary["final_step"] == 1
+  cached = [json.loads(l) for l in open(tmp_path / "cache" / "regenerated.jsonl")]
+  assert len(cached) == 5                       # the training conversations, not the held-out one
