@@ -133,6 +133,13 @@ class Target:
     return torch.cat([captured[i] for i in layer_ids], dim=-1).contiguous()
 
 
+  def stacked_features(self, micros, layer_ids) -> torch.Tensor:
+    """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H]."""
+    feats = [self.features(m["input_ids"], m["position_ids"], m["doc_id"], layer_ids)
+             for m in micros]
+    return feats[0].unsqueeze(0) if len(feats) == 1 else torch.stack(feats)
+
+
 def _decoder_layers(model):
   inner = getattr(model, "model", None)
   layers = getattr(inner, "layers", None)

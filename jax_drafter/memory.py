@@ -247,13 +247,21 @@ def _buffer(name: str, size: int, values, instrs) -> Buffer:
 
 @contextlib.contextmanager
 def _fresh_compile():
-  """A persistent-cache hit would skip XLA and write no dump files: compile for real."""
+  """A persistent-cache hit would skip XLA and write no dump files: compile for real.
+
+  JAX memoises whether the cache is in use after the first compile, so the flag alone is not
+  enough; reset_cache() (internal, present in 0.10 and 0.11) makes it re-read the flag.
+  """
+  from jax._src import compilation_cache
+  reset = getattr(compilation_cache, "reset_cache", lambda: None)
   old = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  reset()
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", old)
+    reset()
 
 
 def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_dir: str | None = None,

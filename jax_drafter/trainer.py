@@ -139,10 +139,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   def next_batch():
     micro = [next(batches) for _ in range(A)]
     host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-    feats = [target.features(m["input_ids"], m["position_ids"], m["doc_id"], dcfg.target_layer_ids)
-             for m in micro]
-    feats_t = feats[0].unsqueeze(0) if A == 1 else __import__("torch").stack(feats)
-    return host, feats_t
+    return host, target.stacked_features(micro, dcfg.target_layer_ids)
 
   metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
   writer = None

@@ -30,7 +30,7 @@ def _losses(out):
 
 def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tmp_path, capsys):
   out = str(tmp_path / "run")
-  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.eval_prompts=2",
+  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.eval_prompts=2", "train.grad_accum=2",
              "train.eval_max_new_tokens=6")
   overrides = [f"{s}.{k}={json.dumps(v) if not isinstance(v, str) else v}"
                for s, sec in cfg.to_dict().items() for k, v in sec.items()]
