@@ -119,7 +119,7 @@ def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
     updates, opt_state = optimizer.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = objective.metrics_from_sums(sums)
-    grad_norm = optax.global_norm(g)
+    grad_norm = optax.tree.norm(g)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     # A non-finite step leaves the state untouched; the loop stops the run on `finite == False`.
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
