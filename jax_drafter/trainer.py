@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -79,7 +80,10 @@ class _Interrupt:
     self.hit = False
 
   def __enter__(self):
-    self.prev = signal.signal(signal.SIGINT, self._handler)
+    # Signal handlers can only be installed from the main thread (not e.g. a notebook worker).
+    self.prev = None
+    if threading.current_thread() is threading.main_thread():
+      self.prev = signal.signal(signal.SIGINT, self._handler)
     return self
 
   def _handler(self, *_):
@@ -90,7 +94,8 @@ class _Interrupt:
                 "(Ctrl-C again to abort without saving)")
 
   def __exit__(self, *exc):
-    signal.signal(signal.SIGINT, self.prev)
+    if self.prev is not None:
+      signal.signal(signal.SIGINT, self.prev)
 
 
 def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: str | None = None,
@@ -153,6 +158,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   data_state = batches.state_dict()     # iterator position matching `state`
   last_saved = first if first else None
   pending = None                        # (step index, metrics, handoff, data_state, t_dispatch)
+  completed = False
   t_prev = time.time()
   history: list[dict] = []
 
@@ -255,6 +261,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         pending = None
       if t.eval_prompts and not intr.hit and int(state.step) == total:
         evaluate(total)
+    completed = True
   finally:
     # Reached on normal exit, Ctrl-C, and errors: the state in hand is always a good one
     # (a non-finite step leaves it untouched), so it is saved unless it is already on disk.
@@ -263,6 +270,11 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         jax.block_until_ready(pending[1])
       if int(state.step) != last_saved and int(state.step) > 0:
         save()
+    except Exception as e:  # noqa: BLE001 - never hide the error that got us here
+      if completed:
+        raise
+      log.error("could not write a final checkpoint (%s); the last one on disk is step %s",
+                e, last_saved)
     finally:
       metrics_file.close()
       if writer is not None:
