@@ -124,13 +124,16 @@ def test_mask_hand_computed_full_and_sliding_window():
   assert not invalid[0, 1].any()
 
 
+def _ce_inputs(seed, T, D, V):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.normal(size=(T, D)), jnp.float32),
+          jnp.asarray(rng.normal(size=(V, D)) * 0.3, jnp.float32),
+          jnp.asarray(rng.integers(0, V, T), jnp.int32), jnp.asarray(rng.random(T), jnp.float32))
+
+
 def test_chunked_cross_entropy_equals_unchunked_loss_and_gradients():
-  rng = np.random.default_rng(0)
   T, D, V = 37, 16, 50
-  h = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
-  head = jnp.asarray(rng.normal(size=(V, D)) * 0.3, jnp.float32)
-  y = jnp.asarray(rng.integers(0, V, T), jnp.int32)
-  w = jnp.asarray(rng.random(T), jnp.float32)
+  h, head, y, w = _ce_inputs(0, T, D, V)
 
   def full(h):
     logits = h @ head.T
@@ -177,11 +180,7 @@ def test_block_sums_accuracy_and_accepted_length():
 
 
 def test_chunked_ce_bf16_gradient_close_to_f32():
-  rng = np.random.default_rng(1)
-  T, D, V = 20, 16, 64
-  h = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
-  head = jnp.asarray(rng.normal(size=(V, D)) * 0.3, jnp.float32)
-  y = jnp.asarray(rng.integers(0, V, T), jnp.int32)
+  h, head, y, _ = _ce_inputs(1, 20, 16, 64)
   f = lambda h, cd: objective.chunked_cross_entropy(h, head, y, chunk_size=8, compute_dtype=cd)[0].sum()
   g32 = jax.grad(f)(h, jnp.float32)
   g16 = jax.grad(f)(h.astype(jnp.bfloat16), jnp.bfloat16)
