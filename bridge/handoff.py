@@ -85,8 +85,14 @@ class Handoff:
   def __init__(self):
     self._tensors: list[torch.Tensor] = []
 
-  def put(self, t: torch.Tensor, *, name: str = "tensor", allow_copy: bool = False) -> jax.Array:
+  def put(self, t: torch.Tensor, *, name: str = "tensor", allow_copy: bool = False,
+          device: "jax.Device | None" = None) -> jax.Array:
+    """Import `t` zero-copy; with `device` (the drafter's), a tensor that lives on another device
+    (split placement: target and drafter on different GPUs) gets one explicit device-to-device
+    copy after the zero-copy import. The torch tensor stays alive until release_after either way."""
     arr = to_jax(t, name=name, allow_copy=allow_copy)
+    if device is not None and arr.devices() != {device}:
+      arr = jax.device_put(arr, device)
     self._tensors.append(t)
     return arr
 

@@ -132,12 +132,15 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
                  {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
 
   # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
+  # The drafter's device: features from a target on another GPU are copied there explicitly.
+  device = jax.local_devices()[0]
   keep = Handoff()
   embed_t = fresh_for_import(target.embedding, name="embedding")
-  frozen = {"embed": keep.put(embed_t, name="embedding")}
+  frozen = {"embed": keep.put(embed_t, name="embedding", device=device)}
   head_t = target.lm_head
   frozen["lm_head"] = (frozen["embed"] if head_t.data_ptr() == target.embedding.data_ptr()
-                       else keep.put(fresh_for_import(head_t, name="lm_head"), name="lm_head"))
+                       else keep.put(fresh_for_import(head_t, name="lm_head"), name="lm_head",
+                                     device=device))
   step_fn = step_lib.jit_train_step(
       step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)))
 
@@ -227,7 +230,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         host, feats_t = next_batch()
         h = Handoff()
         batch = {k: jnp.asarray(v) for k, v in host.items()}
-        batch["features"] = h.put(feats_t, name="target features")
+        batch["features"] = h.put(feats_t, name="target features", device=device)
         if i == first and memory_report:
           from jax_drafter import memory
           summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,

@@ -1,5 +1,9 @@
 """The DLPack handoff: zero-copy by pointer, dtype kept, bad tensors refused with a clear error."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,3 +58,26 @@ def test_fresh_for_import_copies_only_when_needed():
   assert fresh.data_ptr() != view.data_ptr() and fresh.data_ptr() % 64 == 0
   assert to_jax(fresh).unsafe_buffer_pointer() == fresh.data_ptr()
   torch.testing.assert_close(fresh, view)
+
+
+def test_split_placement_copies_explicitly_to_the_drafter_device(tmp_path):
+  """Two host devices stand in for two GPUs: the import is zero-copy on device 0, then one
+  explicit copy lands on the drafter's device 1; the torch tensor is kept until release."""
+  code = (
+      "import jax, torch, numpy as np\n"
+      "from bridge.handoff import Handoff\n"
+      "d1 = jax.devices()[1]\n"
+      "h = Handoff(); t = torch.arange(64, dtype=torch.float32).reshape(8, 8)\n"
+      "x = h.put(t, device=d1)\n"
+      "assert x.devices() == {d1}, x.devices()\n"
+      "y = jax.jit(lambda v: v + 1)(x)\n"
+      "assert len(h) == 1; h.release_after(y); assert len(h) == 0\n"
+      "np.testing.assert_array_equal(np.asarray(y), t.numpy() + 1)\n"
+      "z = Handoff().put(t, device=jax.devices()[0])\n"
+      "assert z.unsafe_buffer_pointer() == t.data_ptr()\n"
+      "print('ok')\n")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                     timeout=120)
+  assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
