@@ -98,6 +98,38 @@ class _Interrupt:
       signal.signal(signal.SIGINT, self.prev)
 
 
+class Placement:
+  """Where the drafter runs: the first local device, or data parallel over all local devices.
+
+  With several devices the rows of every batch are split over a 1-D mesh ("data") and the state
+  and frozen weights are replicated; XLA inserts the gradient all-reduce (the loss sums are over
+  the global batch, so the result equals one device's). Target features are produced by one
+  target and copied to the devices that own their rows (explicit device_put).
+  """
+
+  def __init__(self, batch_size: int):
+    devices = jax.local_devices()
+    self.device = devices[0]
+    self.mesh = None
+    if len(devices) > 1:
+      if batch_size % len(devices):
+        raise TrainingError(f"data.batch_size={batch_size} must be a multiple of the {len(devices)} "
+                            "drafter devices JAX sees (or restrict them with "
+                            "jax_cuda_visible_devices / CUDA_VISIBLE_DEVICES)")
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      self.mesh = Mesh(np.array(devices), ("data",))
+      self.replicated = NamedSharding(self.mesh, P())
+      self.rows = NamedSharding(self.mesh, P(None, "data"))   # [A, B, ...]: split B
+      log.info("data parallel over %d devices: %d rows each", len(devices),
+               batch_size // len(devices))
+
+  def replicate(self, tree):
+    return tree if self.mesh is None else jax.device_put(tree, self.replicated)
+
+  def split_rows(self, x):
+    return jnp.asarray(x) if self.mesh is None else jax.device_put(x, self.rows)
+
+
 def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: str | None = None,
           stop_after: int | None = None) -> dict[str, Any]:
   """Run (or resume) training as configured. Returns a summary dict.
@@ -133,7 +165,9 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
 
   # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
   # The drafter's device: features from a target on another GPU are copied there explicitly.
-  device = jax.local_devices()[0]
+  place = Placement(B)
+  device = place.device
+  state = place.replicate(state)
   keep = Handoff()
   embed_t = fresh_for_import(target.embedding, name="embedding")
   frozen = {"embed": keep.put(embed_t, name="embedding", device=device)}
@@ -141,8 +175,10 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   frozen["lm_head"] = (frozen["embed"] if head_t.data_ptr() == target.embedding.data_ptr()
                        else keep.put(fresh_for_import(head_t, name="lm_head"), name="lm_head",
                                      device=device))
+  frozen = place.replicate(frozen)
   step_fn = step_lib.jit_train_step(
-      step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)))
+      step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)),
+      out_shardings=None if place.mesh is None else place.replicated)
 
   def next_batch():
     micro = [next(batches) for _ in range(A)]
@@ -229,8 +265,8 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
       for i in range(first, min(total, stop)):
         host, feats_t = next_batch()
         h = Handoff()
-        batch = {k: jnp.asarray(v) for k, v in host.items()}
-        batch["features"] = h.put(feats_t, name="target features", device=device)
+        batch = {k: place.split_rows(v) for k, v in host.items()}
+        batch["features"] = place.split_rows(h.put(feats_t, name="target features", device=device))
         if i == first and memory_report:
           from jax_drafter import memory
           summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,

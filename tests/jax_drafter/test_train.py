@@ -152,3 +152,31 @@ def test_training_on_target_regenerated_conversations(tiny_target_dir, sharegpt_
   assert summary["final_step"] == 1
   cached = [json.loads(l) for l in open(tmp_path / "cache" / "regenerated.jsonl")]
   assert len(cached) == 5                       # the training conversations, not the held-out one
+
+
+def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, sharegpt_sample,
+                                                           tmp_path):
+  """Two host devices stand in for two drafter GPUs: rows split, state replicated, same losses."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  code = (
+      "import sys\n"
+      "sys.path.insert(0, 'tests/jax_drafter')\n"
+      "from test_train import _cfg\n"
+      "from jax_drafter import trainer\n"
+      "import jax\n"
+      "out = sys.argv[1]\n"
+      "s = trainer.train(_cfg(sys.argv[2], sys.argv[3], out, 'train.steps=3'))\n"
+      "print('DEVICES', len(jax.local_devices()), s['final_step'])\n")
+  losses = {}
+  for n in (1, 2):
+    out = str(tmp_path / f"dp{n}")
+    env = dict(os.environ, PYTHONPATH=root,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    p = subprocess.run([sys.executable, "-c", code, out, tiny_target_dir, sharegpt_sample],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert p.returncode == 0 and f"DEVICES {n} 3" in p.stdout, p.stderr[-3000:]
+    losses[n] = _losses(out)
+  for s in (1, 2, 3):
+    assert losses[2][s] == pytest.approx(losses[1][s], rel=1e-5), s
