@@ -71,6 +71,17 @@ def fresh_for_import(t: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
   return out
 
 
+def import_frozen(embedding: torch.Tensor, lm_head: torch.Tensor, keep: "Handoff", *,
+                  device=None) -> dict:
+  """The target's frozen embedding and LM head as {"embed", "lm_head"} JAX arrays, imported once
+  (tied weights: one array for both). `keep` holds the torch tensors for as long as they are used."""
+  embed = keep.put(fresh_for_import(embedding, name="embedding"), name="embedding", device=device)
+  if lm_head.data_ptr() == embedding.data_ptr():
+    return {"embed": embed, "lm_head": embed}
+  head = keep.put(fresh_for_import(lm_head, name="lm_head"), name="lm_head", device=device)
+  return {"embed": embed, "lm_head": head}
+
+
 def _expected_dtype(dt: torch.dtype):
   return {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
           torch.int32: jnp.int32, torch.bool: jnp.bool_}.get(dt)

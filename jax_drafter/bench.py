@@ -162,7 +162,7 @@ def _failed_alloc(msg: str) -> str | None:
 
 def _jax_worker(args) -> int:
   import jax
-  import jax.numpy as jnp
+  from jax_drafter import memory
   from jax_drafter import step as step_lib
   from jax_drafter.config import TrainSection
 
@@ -174,20 +174,14 @@ def _jax_worker(args) -> int:
                    compute_dtype="float32" if on_cpu else "bfloat16", attention=args.attention)
   result = {"status": "ok", "backend": jax.default_backend(), "device": str(jax.devices()[0])}
   try:
-    opt = step_lib.make_optimizer(t)
-    graphdef, state = step_lib.init_state(cfg, t, opt)
-    k = jax.random.split(jax.random.key(0), 4)
-    fdt = jnp.float32 if on_cpu else jnp.bfloat16
-    F = len(cfg.target_layer_ids) * cfg.hidden_size
-    batch = {"input_ids": jax.random.randint(k[0], (1, B, S), 0, cfg.vocab_size - 1, jnp.int32),
-             "loss_mask": jnp.ones((1, B, S), jnp.int32), "doc_id": jnp.zeros((1, B, S), jnp.int32),
-             "position_ids": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, B, S)),
-             "features": jax.random.normal(k[1], (1, B, S, F), fdt)}
-    frozen = {"embed": (jax.random.normal(k[2], (cfg.vocab_size, cfg.hidden_size), fdt) * 0.02),
-              "lm_head": (jax.random.normal(k[3], (cfg.vocab_size, cfg.hidden_size), fdt) * 0.02)}
-    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, cfg, t, opt,
-                                                          {"implementation": args.attention}
-                                                          if args.attention else None))
+    # The same random state/batch/frozen weights the memory tool measures with.
+    plan = memory.Plan(cfg, t, B, S, feature_dtype="float32" if on_cpu else "bfloat16",
+                       attn_impl={"implementation": args.attention} if args.attention else None,
+                       name=args.case[0])
+    graphdef, state, batch, frozen = memory.random_inputs(plan)
+    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, cfg, t,
+                                                          step_lib.make_optimizer(t),
+                                                          plan.attn_impl))
     t0 = time.perf_counter()
     state, m = fn(state, batch, frozen)
     jax.block_until_ready(m)

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from bridge import spec_decode
-from bridge.handoff import Handoff, fresh_for_import
+from bridge.handoff import Handoff, import_frozen
 from bridge.target import Target, TargetError, check_mask_token_id, load_target
 from jax_drafter import data as data_lib
 from jax_drafter.config import ConfigError, DrafterConfig
@@ -178,10 +178,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, *,
                  max_new_tokens: int, block_size: int | None = None, temperature: float = 0.0,
-                 seed: int = 0, progress: bool = True, proposer=None) -> dict:
+                 seed: int = 0, progress: bool = True, proposer=None,
+                 frozen: dict | None = None) -> dict:
   """Speculative decoding of every prompt (list of messages ending with a user turn, or token ids)
   plus the target alone on the same prompts. -> report dict (see `summarize`).
 
+  `frozen` ({"embed", "lm_head"} JAX arrays, e.g. the training loop's) avoids importing the
+  target's embedding and LM head again.
   `proposer` replaces the JAX drafter (tests use an oracle); it must follow spec_decode.Proposer.
   """
   K = block_size or cfg.block_size
@@ -205,13 +208,12 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                             "--max-new-tokens")
   decoder = spec_decode.TargetDecoder(target, cfg.target_layer_ids)
   eos = spec_decode.eos_token_ids(target)
-  frozen = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
+  keep = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
   if proposer is None:
-    embed = frozen.put(fresh_for_import(target.embedding, name="embedding"), name="embedding")
-    head = (embed if target.lm_head.data_ptr() == target.embedding.data_ptr()  # tied weights
-            else frozen.put(fresh_for_import(target.lm_head, name="lm_head"), name="lm_head"))
-    session = DrafterSession(cfg, graphdef, params, embed, head, block_size=K,
-                             temperature=temperature)
+    if frozen is None:
+      frozen = import_frozen(target.embedding, target.lm_head, keep)
+    session = DrafterSession(cfg, graphdef, params, frozen["embed"], frozen["lm_head"],
+                             block_size=K, temperature=temperature)
     proposer = _JaxProposer(session, max(map(len, ids)) + max_new_tokens + K, seed)
   kw = dict(eos_ids=eos, temperature=temperature)
   # Warm-up (untimed): compiles the drafter's two jitted steps and touches the target's kernels.

@@ -17,7 +17,6 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -153,7 +153,6 @@ def main(argv=None) -> int:
   args = parse(argv)
   import jax                                                           # JAX before torch's CUDA
   import jax.numpy as jnp
-  import optax
   import torch
   from flax import nnx
 

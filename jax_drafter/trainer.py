@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -137,7 +136,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   stop_after: stop (with a checkpoint) after this many steps of this invocation (tests use it to
   simulate an interruption).
   """
-  from bridge.handoff import Handoff, fresh_for_import, to_jax
+  from bridge.handoff import Handoff, import_frozen
 
   progress = progress or Progress()
   t = cfg.train
@@ -169,12 +168,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   device = place.device
   state = place.replicate(state)
   keep = Handoff()
-  embed_t = fresh_for_import(target.embedding, name="embedding")
-  frozen = {"embed": keep.put(embed_t, name="embedding", device=device)}
-  head_t = target.lm_head
-  frozen["lm_head"] = (frozen["embed"] if head_t.data_ptr() == target.embedding.data_ptr()
-                       else keep.put(fresh_for_import(head_t, name="lm_head"), name="lm_head",
-                                     device=device))
+  frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
   frozen = place.replicate(frozen)
   step_fn = step_lib.jit_train_step(
       step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)),
@@ -244,7 +238,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
       log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
       return None
     report = evaluate_tau(target, dcfg, graphdef, state.params, prompts,
-                          max_new_tokens=t.eval_max_new_tokens, progress=False)
+                          max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=frozen)
     est = history[-1]["tau_estimate"] if history else float("nan")
     log.info("step %d: speculative decoding on %d held-out prompts: tau %.3f (training estimate "
              "%.2f), lossless %s", step, len(prompts), report["tau"], est,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bridge.target import (Target, TargetError, check_mask_token_id, choose_mask_token_id,
+from bridge.target import (TargetError, check_mask_token_id, choose_mask_token_id,
                            load_target)
 
 

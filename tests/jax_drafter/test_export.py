@@ -2,11 +2,9 @@
 
 import json
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
