@@ -12,9 +12,13 @@ Rules enforced here:
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import torch
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 16
 
@@ -63,8 +67,7 @@ def fresh_for_import(t: torch.Tensor, *, name: str = "tensor") -> torch.Tensor:
   ok = t.is_contiguous() and t.data_ptr() % 64 == 0
   if ok:
     return t
-  import logging
-  logging.getLogger(__name__).info("%s: one explicit copy before the DLPack handoff "
+  log.info("%s: one explicit copy before the DLPack handoff "
                                    "(not contiguous or not 64-byte aligned)", name)
   out = torch.empty_like(t, memory_format=torch.contiguous_format)
   out.copy_(t)
