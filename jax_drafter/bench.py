@@ -54,13 +54,14 @@ def visible_keys(anchors: np.ndarray, K: int, window: int | None) -> int:
 
 def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
   """Model FLOPs of one training step (GPU.md's rule): matmuls fwd + input grad + weight grad
-  where those exist; the frozen LM head forward + input gradient only; fc without input gradient;
-  attention over visible keys only (fwd 2 matmuls, bwd 4)."""
+  where those exist; the frozen LM head forward + input gradient only, on the supervised rows
+  (block offsets 1..K-1: offset 0 never has a label); fc without input gradient; attention over
+  visible keys only (fwd 2 matmuls, bwd 4)."""
   D, I, V, K = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.block_size
   Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   T, C, F = B * N * K, B * S, len(cfg.target_layer_ids) * D
   anchors = sample_anchors(S, N, B)
-  parts = {"fc": 2 * C * F * D * 2, "lm_head": 2 * T * D * V * 2}
+  parts = {"fc": 2 * C * F * D * 2, "lm_head": 2 * (B * N * (K - 1)) * D * V * 2}
   proj = mlp = attn = 0.0
   for i in range(cfg.num_hidden_layers):
     proj += 3 * 2 * (T * D * Hq * Dh * 2 + (C + T) * D * Hkv * Dh * 2)
@@ -77,6 +78,8 @@ def _worker_cmd(side: str, case: str, args) -> list[str]:
          "--ce-chunk", str(args.ce_chunk), "--remat", args.remat]
   if side == "jax" and args.attention:
     cmd += ["--attention", args.attention]
+  if side == "jax" and args.breakdown:
+    cmd += ["--breakdown"]
   if side == "torch":
     cmd += ["--attention", args.torch_attention]
   return cmd
@@ -119,6 +122,8 @@ def main(argv=None) -> int:
   ap.add_argument("--side", action="append", choices=("jax", "torch"), help="default: both")
   ap.add_argument("--timeout", type=int, default=900)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--breakdown", action="store_true",
+                  help="JAX side: also time each part of the step on its own (jax_drafter.breakdown)")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
@@ -139,6 +144,8 @@ def main(argv=None) -> int:
       print(f"  {side:5s} {_fmt(res[side], flops['total'])}")
       if res[side].get("log"):
         print("        " + res[side]["log"].replace("\n", "\n        "))
+    if res.get("jax", {}).get("breakdown_ms"):
+      print(format_breakdown(res["jax"]["breakdown_ms"], res["jax"]["step_ms"]))
     if all(res.get(s, {}).get("status") == "ok" for s in ("jax", "torch")):
       j, t = res["jax"], res["torch"]
       ratio = dict(time=j["step_ms"] / t["step_ms"],
@@ -150,6 +157,15 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=2)
   return 0
+
+
+def format_breakdown(parts_ms: dict, step_ms: float) -> str:
+  lines = ["  JAX step by part (each compiled and timed alone, fwd + bwd):"]
+  for name, ms in parts_ms.items():
+    lines.append(f"    {name:28s} {ms:8.1f} ms  {100 * ms / step_ms:5.1f}%")
+  rest = step_ms - sum(parts_ms.values())
+  lines.append(f"    {'rest (step - parts)':28s} {rest:8.1f} ms  {100 * rest / step_ms:5.1f}%")
+  return "\n".join(lines)
 
 
 # ---- the JAX worker (runs in its own process) ----
@@ -197,6 +213,11 @@ def _jax_worker(args) -> int:
     result.update(step_ms=med * 1e3, steps_ms=[x * 1e3 for x in times],
                   compile_s=first - med, loss=float(m["loss"]),
                   peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
+    if args.breakdown:
+      from jax_drafter import breakdown
+      parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=cfg, t=t,
+                                       attn_impl=plan.attn_impl, reps=max(args.steps, 1))
+      result["breakdown_ms"] = {k: v * 1e3 for k, v in parts.items()}
   except Exception as e:  # noqa: BLE001 - an OOM must be a result, not a crash
     msg = str(e)
     oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()

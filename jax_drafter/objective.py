@@ -97,6 +97,19 @@ def build_blocks(anchors_BxN, block_valid_BxN, input_ids_BxS, loss_mask_BxS, doc
                 flat(weights))
 
 
+def ce_chunk_rows(T: int, chunk_size: int) -> int:
+  """Rows per CE chunk: the fewest chunks of at most `chunk_size` rows, balanced, rounded up to
+  a multiple of 8, so padding stays under 8 rows per chunk (15360 rows with chunk_size 2048 give
+  8 chunks of 1920, not 8 of 2048 with 1024 rows of padding)."""
+  if chunk_size < 1:
+    raise ValueError(f"train.ce_chunk_size={chunk_size} must be >= 1")
+  if T <= chunk_size:
+    return T
+  m = -(-T // chunk_size)
+  c = -(-T // m)
+  return min(chunk_size, -(-c // 8) * 8) if chunk_size >= 8 else c
+
+
 def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
                           compute_dtype=jnp.float32):
   """Per-token CE and argmax against a frozen LM head, `chunk_size` tokens of logits at a time.
@@ -108,7 +121,7 @@ def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
   The LM head gets no gradient (it is frozen). Returns (ce f32 [T], pred int32 [T]).
   """
   T, D = h_TxD.shape
-  C = min(chunk_size, T)
+  C = ce_chunk_rows(T, chunk_size)
   pad = (-T) % C
   h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(-1, C, D)
   y = jnp.pad(labels_T, (0, pad)).reshape(-1, C)

@@ -78,14 +78,30 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
   h = model(noise_emb, micro["features"].astype(cd), micro["position_ids"], blocks.positions,
             blocks.anchors, blocks.doc_start, blocks.block_valid, remat=t.remat,
             attn_impl=attn_impl)
-  B, Q, D = h.shape
-  ce, pred = objective.chunked_cross_entropy(h.reshape(B * Q, D), frozen["lm_head"],
-                                             blocks.labels.reshape(-1), chunk_size=t.ce_chunk_size,
-                                             compute_dtype=cd)
-  sums = objective.block_sums(ce.reshape(B, Q), pred.reshape(B, Q), blocks, cfg.block_size)
+  ce, pred = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
+                           chunk_size=t.ce_chunk_size, compute_dtype=cd)
+  sums = objective.block_sums(ce, pred, blocks, cfg.block_size)
   if return_aux:
-    return sums, (blocks, h, ce.reshape(B, Q), pred.reshape(B, Q))
+    return sums, (blocks, h, ce, pred)
   return sums
+
+
+def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_size: int,
+                  compute_dtype):
+  """CE and argmax [B, Q] of block offsets 1..K-1 only: offset 0 (the anchor's own token) never
+  has a label (weight 0 by the DESIGN contract), so its LM-head rows are not computed at all,
+  1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1."""
+  B, Q, D = h_BxQxD.shape
+  K = block_size
+  N = Q // K
+  h = h_BxQxD.reshape(B, N, K, D)[:, :, 1:].reshape(B * N * (K - 1), D)
+  y = labels_BxQ.reshape(B, N, K)[:, :, 1:].reshape(-1)
+  ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
+                                             compute_dtype=compute_dtype)
+  pad = ((0, 0), (0, 0), (1, 0))
+  ce = jnp.pad(ce.reshape(B, N, K - 1), pad).reshape(B, Q)
+  pred = jnp.pad(pred.reshape(B, N, K - 1), pad, constant_values=-1).reshape(B, Q)
+  return ce, pred
 
 
 def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,

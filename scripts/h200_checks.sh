@@ -1,40 +1,75 @@
 #!/usr/bin/env bash
-# The GPU measurements the open issues ask for, one part per call (each fits a 10-minute call).
+# The GPU measurements the open issues ask for. Each part fits one 10-minute device call; given
+# several parts, part i runs on GPU i (CUDA_VISIBLE_DEVICES=i), all at once, so a 4-GPU machine
+# runs four parts in the wall time of the longest.
 # Run from the repo root on a GPU machine that has jax/flax/optax/orbax/torch/transformers:
-#   bash scripts/h200_checks.sh kernel   # pytest -m gpu for the Pallas kernel + the kernel bench
-#   bash scripts/h200_checks.sh parity   # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
-#   bash scripts/h200_checks.sh memory   # predicted vs measured peak, 27B 8k/64k, budget at 131k
-#   bash scripts/h200_checks.sh bench    # full step JAX vs PyTorch: 27b-8k and 8b-3k
-#   bash scripts/h200_checks.sh bench-long   # the same for 27b-32k and 27b-64k
+#   bash scripts/h200_checks.sh kernel          # pytest -m gpu for the Pallas kernel + kernel bench
+#   bash scripts/h200_checks.sh parity          # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
+#   bash scripts/h200_checks.sh memory          # predicted vs measured peak, 27B 8k/64k, budget 131k
+#   bash scripts/h200_checks.sh bench           # full step JAX vs PyTorch, 27b-8k (+ JAX breakdown,
+#                                               # + JAX with per-layer remat)
+#   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
+#   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
+#   bash scripts/h200_checks.sh kernel parity memory bench     # four GPUs, four parts at once
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-run() { echo "=== $*"; "$@" 2>&1 | tee -a "$OUT/$part.log"; }
-part=${1:?"which part: kernel | parity | memory | bench | bench-long"}
-case "$part" in
-  kernel)
-    run timeout 300 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider
-    run timeout 280 python3 -m pallas_kernels.dflash_attention.bench ;;
-  parity)
-    run timeout 580 python3 -m jax_drafter.parity --config qwen3.6-27b --device gpu \
-        --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
-        --json "$OUT/parity.json" ;;
-  memory)
-    for sn in "8192 1024" "65536 2048"; do
-      set -- $sn
-      run timeout 150 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len "$1" \
-          --anchors "$2" --run --no-scaling
-    done
-    run timeout 280 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len 131072 \
-        --anchors 4096 --budget 96GiB --run --no-scaling ;;
-  bench)
-    run timeout 590 python3 -m jax_drafter.bench --case 27b-8k --case 8b-3k --timeout 280 \
-        --json "$OUT/bench.json" ;;
-  bench-long)
-    run timeout 590 python3 -m jax_drafter.bench --case 27b-32k --case 27b-64k --timeout 280 \
-        --json "$OUT/bench-long.json" ;;
-  *) echo "unknown part $part"; exit 2 ;;
-esac
+LIMIT=${LIMIT:-570}    # seconds for a whole part
+[ $# -ge 1 ] || { echo "which parts: kernel parity memory bench bench-8b bench-32k bench-64k cublas"; exit 2; }
+
+part_cmds() {
+  local part=$1
+  run() { echo "=== [$(date +%T)] $*"; "$@" 2>&1; }
+  case "$part" in
+    kernel)
+      local xd=""
+      python3 -c "import xdist" 2>/dev/null && xd="-n 6"
+      run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd
+      run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 240 \
+          --tune h200,dqw4,dq64x64,dqs3,dq128x32,dkv64s2 ;;
+    parity)
+      run timeout 560 python3 -m jax_drafter.parity --config qwen3.6-27b --device gpu \
+          --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
+          --json "$OUT/parity.json" ;;
+    memory)
+      for sn in "8192 1024" "65536 2048"; do
+        set -- $sn
+        run timeout 150 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len "$1" \
+            --anchors "$2" --run --no-scaling
+      done
+      run timeout 300 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len 131072 \
+          --anchors 4096 --budget 96GiB --run --no-scaling ;;
+    bench)
+      run timeout 420 python3 -m jax_drafter.bench --case 27b-8k --breakdown --timeout 400 \
+          --json "$OUT/bench.json"
+      run timeout 140 python3 -m jax_drafter.bench --case 27b-8k --side jax --remat layer \
+          --timeout 130 --json "$OUT/bench-remat.json" ;;
+    bench-8b|bench-32k|bench-64k)
+      local case=${part#bench-}; case=${case/8b/8b-3k}; case=${case/32k/27b-32k}; case=${case/64k/27b-64k}
+      run timeout 560 python3 -m jax_drafter.bench --case "$case" --timeout 270 \
+          --json "$OUT/$part.json" ;;
+    cublas)
+      run timeout 60 python3 scripts/matmul_peak.py
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 60 python3 scripts/matmul_peak.py
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 200 \
+          python3 -m jax_drafter.bench --case 27b-8k --side jax --timeout 190 ;;
+    *) echo "unknown part $part"; return 2 ;;
+  esac
+}
+
+if [ $# -eq 1 ]; then
+  timeout "$LIMIT" bash -c "$(declare -f part_cmds); OUT=$OUT; part_cmds $1" 2>&1 | tee "$OUT/$1.log"
+  exit 0
+fi
+i=0
+for part in "$@"; do
+  CUDA_VISIBLE_DEVICES=$i timeout "$LIMIT" \
+      bash -c "$(declare -f part_cmds); OUT=$OUT; part_cmds $part" > "$OUT/$part.log" 2>&1 &
+  echo "[$(date +%T)] $part on GPU $i (pid $!)"
+  i=$((i + 1))
+done
+wait
+for part in "$@"; do echo; echo "########## $part"; tail -c 4000 "$OUT/$part.log"; done

@@ -202,8 +202,10 @@ def bench_flex(xs, idx, *, window, flops_fwd, shape, reps):
   def kernel_only():
     k = torch.cat([tkc, tkb], 1).transpose(1, 2)
     v = torch.cat([tvc, tvb], 1).transpose(1, 2)
+    # Back to [B, Q, H, D] as the bridge's call returns it (a cotangent in flex's own [B, H, Q, D]
+    # output layout failed compiled flex's backward on the H200: "Mismatch in shape: grad_output").
     return compiled(tq.transpose(1, 2), k, v, block_mask=block_mask, scale=kw["scale"],
-                    enable_gqa=True)
+                    enable_gqa=True).transpose(1, 2)
 
   def whole_call():
     return torch_attention.dflash_attention_torch(tq, tkc, tvc, tkb, tvb, anchors, doc_start,
@@ -237,6 +239,8 @@ TUNE_VARIANTS = {
     "dkv128w4": dataclasses.replace(_B, dkv_keys=128, dkv_warps=4, dkv_stages=3),
     "dkv128w8": dataclasses.replace(_B, dkv_keys=128, dkv_warps=8, dkv_stages=3),
     "dkv64s2": dataclasses.replace(_B, dkv_stages=2),
+    "dqs3": dataclasses.replace(_B, dq_stages=3),
+    "dq128x32": dataclasses.replace(_B, dq_keys=32, dq_stages=3),
     "fwd128k": dataclasses.replace(_B, fwd_keys=128, fwd_stages=2),
     "fwd64x128": dataclasses.replace(config_lib.H200, fwd_keys=128, fwd_rows=64),
     "fwd128x128": dataclasses.replace(config_lib.H200, fwd_keys=128, fwd_stages=2),

@@ -20,7 +20,7 @@ def test_visible_keys_hand_counted():
 def test_model_flops_of_the_27b_case_match_the_documented_figure():
   f = bench.model_flops(presets.qwen36_27b(), 8192, 1024, 1)
   assert 250e12 < f["total"] < 262e12          # GPU.md: "about 256 TFLOP of model work"
-  assert f["lm_head"] == 2 * 16384 * 5120 * 248320 * 2
+  assert f["lm_head"] == 2 * (1024 * 15) * 5120 * 248320 * 2   # supervised rows only
 
 
 def test_tiny_case_runs_both_sides(tmp_path):
@@ -31,3 +31,17 @@ def test_tiny_case_runs_both_sides(tmp_path):
   assert r["jax"]["status"] == "ok" and r["torch"]["status"] == "ok", r
   assert r["jax"]["step_ms"] > 0 and np.isfinite(r["jax"]["loss"]) and np.isfinite(r["torch"]["loss"])
   assert r["jax_over_torch"]["time"] > 0
+
+
+def test_breakdown_times_every_part_of_the_tiny_step():
+  from jax_drafter import breakdown, memory
+  plan = memory.build_plan("tiny", [])
+  graphdef, state, batch, frozen = memory.random_inputs(plan)
+  parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=plan.cfg, t=plan.train,
+                                   reps=1)
+  n = plan.cfg.num_hidden_layers
+  assert list(parts)[0] == "fc + hidden_norm" and len(parts) == n + 3, parts
+  assert all(name.startswith(f"layer {i} (") for i, name in enumerate(list(parts)[1:n + 1]))
+  assert all(v > 0 for v in parts.values())
+  text = bench.format_breakdown({k: v * 1e3 for k, v in parts.items()}, 1e3 * sum(parts.values()))
+  assert "rest (step - parts)" in text and "norm + LM-head CE" in text

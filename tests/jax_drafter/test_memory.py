@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_drafter import memory
+from jax_drafter import memory, objective
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
 
@@ -34,6 +34,13 @@ def _ce_buffer(rep: memory.Report) -> memory.Buffer:
   return max(cands, key=lambda b: b.size)
 
 
+def _ce_rows(plan) -> int:
+  """Rows of one CE chunk: the supervised block offsets 1..K-1, split into balanced chunks."""
+  t = plan.train
+  return objective.ce_chunk_rows(plan.batch_size * t.num_anchors * (plan.cfg.block_size - 1),
+                                 t.ce_chunk_size)
+
+
 def _dims(shape: str) -> tuple[int, ...]:
   return tuple(int(d) for d in re.search(r"\[([\d,]*)\]", shape).group(1).split(",") if d)
 
@@ -48,7 +55,7 @@ def test_report_names_ce_and_attention_buffers_with_project_lines(base):
   assert "predicted peak" in text and "optimizer state" in text
   ce = _ce_buffer(base)
   plan = _plan()
-  C, V = plan.train.ce_chunk_size, plan.cfg.vocab_size
+  C, V = _ce_rows(plan), plan.cfg.vocab_size
   assert set(_dims(ce.shape)) >= {C, V}, ce
   assert re.match(r"jax_drafter/objective\.py:\d+$", ce.source)
   attn = [b for b in base.all_buffers
@@ -67,7 +74,8 @@ def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
   plan = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, vocab_size=2 * plan.cfg.vocab_size))
   plan = plan.replace(ce_chunk_size=2 * plan.train.ce_chunk_size)
   old, new = _ce_buffer(base), _ce_buffer(memory.analyze(plan))
-  C, V = plan.train.ce_chunk_size, plan.cfg.vocab_size
+  C, V = _ce_rows(plan), plan.cfg.vocab_size
+  assert C == 2 * _ce_rows(_plan())
   assert set(_dims(new.shape)) >= {C, V}, new
   assert new.size == 4 * old.size, (old, new)
   assert new.source == old.source and new.function == old.function
