@@ -78,15 +78,17 @@ def _worker_cmd(side: str, case: str, args) -> list[str]:
          "--ce-chunk", str(args.ce_chunk), "--remat", args.remat]
   if side == "jax" and args.attention:
     cmd += ["--attention", args.attention]
-  if side == "jax" and args.breakdown:
-    cmd += ["--breakdown"]
+  if side == "jax" and case in args.breakdown:
+    cmd += ["--breakdown", case]
   if side == "torch":
     cmd += ["--attention", args.torch_attention]
   return cmd
 
 
-def run_worker(side: str, case: str, args) -> dict:
+def run_worker(side: str, case: str, args, device: str | None = None) -> dict:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+  if device is not None:
+    env["CUDA_VISIBLE_DEVICES"] = device
   t0 = time.time()
   try:
     p = subprocess.run(_worker_cmd(side, case, args), capture_output=True, text=True, env=env,
@@ -99,6 +101,35 @@ def run_worker(side: str, case: str, args) -> dict:
   tail = (p.stderr or p.stdout).strip().splitlines()[-6:]
   return {"status": f"crashed (exit {p.returncode}) after {time.time() - t0:.0f} s",
           "log": "\n".join(tail)}
+
+
+def run_all(jobs: list[tuple[str, str]], args) -> dict:
+  """{(case, side): result}. With --devices, each GPU runs one job at a time, all GPUs at once."""
+  def done(case, side, r):
+    # One line per run as soon as it ends, so that a killed benchmark still leaves its results.
+    c = CASES[case]
+    f = model_flops(presets.get(c["arch"]), c["seq_len"], c["anchors"], c["batch"])["total"]
+    print(f"[{time.strftime('%H:%M:%S')}] {case} {side}: {_fmt(r, f)}", flush=True)
+    return r
+
+  if not args.devices:
+    return {(case, side): done(case, side, run_worker(side, case, args)) for case, side in jobs}
+  import concurrent.futures
+  import queue
+  free = queue.Queue()
+  for d in args.devices.split(","):
+    free.put(d.strip())
+
+  def one(job):
+    case, side = job
+    dev = free.get()
+    try:
+      print(f"[{time.strftime('%H:%M:%S')}] {case} {side} on GPU {dev}", flush=True)
+      return done(case, side, run_worker(side, case, args, device=dev))
+    finally:
+      free.put(dev)
+  with concurrent.futures.ThreadPoolExecutor(free.qsize()) as pool:
+    return dict(zip(jobs, pool.map(one, jobs)))
 
 
 def _fmt(r: dict, flops: float) -> str:
@@ -122,20 +153,25 @@ def main(argv=None) -> int:
   ap.add_argument("--side", action="append", choices=("jax", "torch"), help="default: both")
   ap.add_argument("--timeout", type=int, default=900)
   ap.add_argument("--json", default=None)
-  ap.add_argument("--breakdown", action="store_true",
-                  help="JAX side: also time each part of the step on its own (jax_drafter.breakdown)")
+  ap.add_argument("--breakdown", action="append", default=[], choices=sorted(CASES),
+                  metavar="CASE", help="for this case (repeatable), also time each part of the "
+                  "JAX step on its own (jax_drafter.breakdown)")
+  ap.add_argument("--devices", default=None,
+                  help="comma list of GPU indices: the (case, side) runs are spread over them and "
+                  "run at once, one per GPU (default: one after another on the visible GPUs)")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
     return _jax_worker(args)
   cases = args.case or ["27b-8k"]
   sides = args.side or ["jax", "torch"]
+  results = run_all([(case, side) for case in cases for side in sides], args)
   report = {}
   for case in cases:
     c = CASES[case]
     cfg = presets.get(c["arch"])
     flops = model_flops(cfg, c["seq_len"], c["anchors"], c["batch"])
-    res = {side: run_worker(side, case, args) for side in sides}
+    res = {side: results[case, side] for side in sides}
     report[case] = {"shape": c, "model_tflop": flops["total"] / 1e12,
                     "flops_breakdown_tflop": {k: v / 1e12 for k, v in flops.items()}, **res}
     print(f"\n== {case}: {c} model work {flops['total'] / 1e12:.4g} TFLOP "

@@ -11,6 +11,7 @@
 #   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
 #   bash scripts/h200_checks.sh kernel parity memory bench     # four GPUs, four parts at once
+#   BENCH_DEVICES=1,2,3 bash scripts/h200_checks.sh bench-all  # all bench cases over three GPUs
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ part_cmds() {
       python3 -c "import xdist" 2>/dev/null && xd="-n 6"
       run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd
       run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 240 \
-          --tune h200,dqw4,dq64x64,dqs3,dq128x32,dkv64s2 ;;
+          --tune h200,dq64k,dkv128x64 ;;
     parity)
       run timeout 560 python3 -m jax_drafter.parity --config qwen3.6-27b --device gpu \
           --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
@@ -47,6 +48,11 @@ part_cmds() {
           --json "$OUT/bench.json"
       run timeout 140 python3 -m jax_drafter.bench --case 27b-8k --side jax --remat layer \
           --timeout 130 --json "$OUT/bench-remat.json" ;;
+    bench-all)
+      # Every bench case, the (case, side) runs spread over BENCH_DEVICES, one per GPU at a time.
+      run timeout 560 python3 -m jax_drafter.bench --devices "${BENCH_DEVICES:-0,1,2}" \
+          --case 27b-8k --case 27b-64k --case 8b-3k --case 27b-32k --breakdown 27b-8k \
+          --timeout 420 --json "$OUT/bench-all.json" ;;
     bench-8b|bench-32k|bench-64k)
       local case=${part#bench-}; case=${case/8b/8b-3k}; case=${case/32k/27b-32k}; case=${case/64k/27b-64k}
       run timeout 560 python3 -m jax_drafter.bench --case "$case" --timeout 270 \

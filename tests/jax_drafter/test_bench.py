@@ -25,10 +25,12 @@ def test_model_flops_of_the_27b_case_match_the_documented_figure():
 
 def test_tiny_case_runs_both_sides(tmp_path):
   out = tmp_path / "b.json"
+  # --devices runs both sides at once (on CPU the device index is ignored).
   assert bench.main(["--case", "tiny", "--steps", "1", "--ce-chunk", "32", "--torch-attention",
-                     "eager", "--json", str(out)]) == 0
+                     "eager", "--devices", "0,1", "--breakdown", "tiny", "--json", str(out)]) == 0
   r = json.load(open(out))["tiny"]
   assert r["jax"]["status"] == "ok" and r["torch"]["status"] == "ok", r
+  assert set(r["jax"]["breakdown_ms"]) >= {"fc + hidden_norm", "norm + LM-head CE"}
   assert r["jax"]["step_ms"] > 0 and np.isfinite(r["jax"]["loss"]) and np.isfinite(r["torch"]["loss"])
   assert r["jax_over_torch"]["time"] > 0
 
