@@ -26,11 +26,15 @@ part_cmds() {
   run() { echo "=== [$(date +%T)] $*"; "$@" 2>&1; }
   case "$part" in
     kernel)
+      part_cmds kernel-tests
+      part_cmds kernel-bench ;;
+    kernel-tests)
       local xd=""
       python3 -c "import xdist" 2>/dev/null && xd="-n 6"
-      run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd
-      run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 240 \
-          --tune h200,dq64k,dkv128x64 ;;
+      run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd ;;
+    kernel-bench)   # alone on the machine: CPU load from other jobs slows the launch-bound rows
+      run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 200 \
+          --tune h200,view ;;
     parity)
       run timeout 560 python3 -m jax_drafter.parity --config qwen3.6-27b --device gpu \
           --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
@@ -53,6 +57,14 @@ part_cmds() {
       run timeout 560 python3 -m jax_drafter.bench --devices "${BENCH_DEVICES:-0,1,2}" \
           --case 27b-8k --case 27b-64k --case 8b-3k --case 27b-32k --breakdown 27b-8k \
           --timeout 420 --json "$OUT/bench-all.json" ;;
+    bench-8k)
+      run timeout 400 python3 -m jax_drafter.bench --devices "${BENCH_DEVICES:-0,1}" \
+          --case 27b-8k --breakdown 27b-8k --timeout 380 --json "$OUT/bench-8k.json" ;;
+    bench-remat)    # JAX alone: per-layer remat at 8k and 64k, and 8k with cuBLAS GEMMs only
+      run timeout 150 python3 -m jax_drafter.bench --case 27b-8k --side jax --remat layer --timeout 140
+      run timeout 150 python3 -m jax_drafter.bench --case 27b-64k --side jax --remat layer --timeout 140
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 150 \
+          python3 -m jax_drafter.bench --case 27b-8k --side jax --timeout 140 ;;
     bench-8b|bench-32k|bench-64k)
       local case=${part#bench-}; case=${case/8b/8b-3k}; case=${case/32k/27b-32k}; case=${case/64k/27b-64k}
       run timeout 560 python3 -m jax_drafter.bench --case "$case" --timeout 270 \

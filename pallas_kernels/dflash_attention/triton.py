@@ -292,11 +292,13 @@ def _dflash_dq_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref,
 
 
 def _dflash_dkv_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, do_ref, lse_ref,
-                       delta_ref, dk_ref, dv_ref, *, block_q, groups, qk_scale, scale, precision):
-  # kc_ref/vc_ref/dk_ref/dv_ref [TK, D]; q_ref/do_ref [Qp * G, D] (row r = t * G + g, the rows of
-  # one KV head); lse/delta [Qp * G]; lo/hi [Qp].
-  # q and dO come in as 2-D rows: loading [TQ, G, D] blocks and reshaping them inside this
-  # pipelined loop gave wrong and run-to-run different dK for G = 4 on the H200 (Triton 3.6).
+                       delta_ref, dk_ref, dv_ref, *, block_q, groups, layout, qk_scale, scale,
+                       precision):
+  # kc_ref/vc_ref/dk_ref/dv_ref [TK, D]; lse/delta [Qp * G]; lo/hi [Qp]; q_ref/do_ref, by layout:
+  #   "rows": [Qp * G, D] (row r = t * G + g, the rows of one KV head);
+  #   "view": [Qp, G * D] (token t's G heads side by side), reshaped to rows after the load.
+  # Never 3-D [TQ, G, D] loads: reshaping those inside this pipelined loop gave wrong and
+  # run-to-run different dK for G = 4 on the H200 (Triton 3.6).
   tk, d = kc_ref.shape
   g = groups
   r = block_q * g
@@ -308,7 +310,11 @@ def _dflash_dkv_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, do_ref
     dk, dv = carry
     qs = pl.multiple_of(i * block_q, block_q)
     rs = pl.multiple_of(i * r, r)
-    q_RxD, do_RxD = q_ref[pl.ds(rs, r), :], do_ref[pl.ds(rs, r), :]
+    if layout == "rows":
+      q_RxD, do_RxD = q_ref[pl.ds(rs, r), :], do_ref[pl.ds(rs, r), :]
+    else:
+      q_RxD = q_ref[pl.ds(qs, block_q), :].reshape(r, d)
+      do_RxD = do_ref[pl.ds(qs, block_q), :].reshape(r, d)
     lse_R, delta_R = lse_ref[pl.ds(rs, r)], delta_ref[pl.ds(rs, r)]
     # Keys-first scores [TK, R] (k q^T): dV += P^T dO and dK += dS^T q then need no transposed
     # register operand; the contraction over rows sums the G query heads of the KV head.
@@ -397,17 +403,22 @@ def _dq_call(q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, ranges, *, st: _Static
   )(ranges, lo, hi, q5, kc, vc, kb, vb, do5, lse, delta)
 
 
-def _dkv_call(q_rows, kc, vc, do_rows, lse, delta, lo, hi, ranges, *, st: _Static, plan: _Plan):
-  # q_rows / do_rows: [B, Hkv, Qp * G, D].
-  B, Hkv, QG, D = q_rows.shape
-  G, Qp = plan.G, QG // plan.G
+def _dkv_call(q5, kc, vc, do5, lse, delta, lo, hi, ranges, *, st: _Static, plan: _Plan):
+  B, Qp, Hkv, G, D = q5.shape
   tk = plan.dkv_k
   cfg = st.config
   kernel = functools.partial(
-      _dflash_dkv_kernel, block_q=plan.dkv_q, groups=G, qk_scale=st.scale * math.log2(math.e),
-      scale=st.scale, precision=_precision(q_rows.dtype))
+      _dflash_dkv_kernel, block_q=plan.dkv_q, groups=G, layout=cfg.dkv_layout,
+      qk_scale=st.scale * math.log2(math.e), scale=st.scale, precision=_precision(q5.dtype))
   tile_k = pl.BlockSpec((None, tk, None, D), lambda j, h, b: (b, j, h, 0))
-  full_q = pl.BlockSpec((None, None, QG, D), lambda j, h, b: (b, h, 0, 0))
+  if cfg.dkv_layout == "rows":
+    # One transposed copy each of q and dO (2 x 128 MiB at the 27B drafter's S=8k shapes).
+    q_in, do_in = (x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, Qp * G, D) for x in (q5, do5))
+    full_q = pl.BlockSpec((None, None, Qp * G, D), lambda j, h, b: (b, h, 0, 0))
+  else:
+    # A free reshape: KV head h is the column block [h * G * D, (h + 1) * G * D).
+    q_in, do_in = (x.reshape(B, Qp, Hkv * G * D) for x in (q5, do5))
+    full_q = pl.BlockSpec((None, Qp, G * D), lambda j, h, b: (b, 0, h))
   full_rows = pl.BlockSpec((None, None, Qp * G), lambda j, h, b: (b, h, 0))
   full_tok = pl.BlockSpec((None, Qp), lambda j, h, b: (b, 0))
   return pl.pallas_call(
@@ -421,7 +432,7 @@ def _dkv_call(q_rows, kc, vc, do_rows, lse, delta, lo, hi, ranges, *, st: _Stati
       compiler_params=_params(cfg.dkv_warps, cfg.dkv_stages),
       interpret=st.interpret,
       name="dflash_bwd_dkv",
-  )(ranges, lo, hi, q_rows, kc, vc, do_rows, lse, delta)
+  )(ranges, lo, hi, q_in, kc, vc, do_in, lse, delta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,12 +516,7 @@ def _dflash_bwd(st, res, dout):
                            delta, lo, hi, ranges_dq, st=st, plan=plan)
   q_ranges, any_row = _q_tile_ranges(lo, hi, tq=plan.dkv_q, tk=plan.dkv_k)
   ranges_dkv = _k_tile_ranges(q_ranges, any_row, nkt=plan.Sp // plan.dkv_k)
-  # The dK/dV kernel reads q and dO as the rows of one KV head, [B, Hkv, Qp * G, D] (row order
-  # t * G + g, as the lse/delta rows): one transposed copy of each (2 x 128 MiB at the 27B
-  # drafter's S=8k shapes, ~0.1 ms) buys 2-D loads in its inner loop.
-  rows = lambda x5: x5.transpose(0, 2, 1, 3, 4).reshape(B, Hq // G, Qp * G, -1)
-  dkc, dvc = _dkv_call(rows(q5), kcp, vcp, rows(do5), lse, delta, lo, hi, ranges_dkv, st=st,
-                       plan=plan)
+  dkc, dvc = _dkv_call(q5, kcp, vcp, do5, lse, delta, lo, hi, ranges_dkv, st=st, plan=plan)
   dq = _unpad_blocks(dq5.reshape(B, Qp, Hq, -1), plan)
   S = plan.S
   return (dq, dkc[:, :S], dvc[:, :S], _unpad_blocks(dkb, plan), _unpad_blocks(dvb, plan),
