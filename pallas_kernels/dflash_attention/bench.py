@@ -250,7 +250,6 @@ TUNE_VARIANTS = {
     "dq64x64": dataclasses.replace(config_lib.H200, dq_rows=64, dq_warps=4, dq_stages=3),
     "fwdw4": dataclasses.replace(config_lib.H200, fwd_warps=4),
     "smem100k": config_lib.SMEM_100KB,
-    "view": dataclasses.replace(_B, dkv_layout="view"),
 }
 
 

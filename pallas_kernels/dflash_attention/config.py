@@ -35,16 +35,9 @@ class DFlashConfig:
   dkv_keys: int = 128
   dkv_warps: int = 8
   dkv_stages: int = 3
-  # How the dK/dV kernel reads q and dO: "rows" = a transposed copy [B, Hkv, Q*G, D] (2-D row
-  # loads), "view" = a free reshape [B, Q, Hkv*G*D] (2-D [TQ, G*D] loads reshaped in-kernel).
-  dkv_layout: str = "rows"
 
   def __post_init__(self):
-    if self.dkv_layout not in ("rows", "view"):
-      raise ValueError(f"dkv_layout={self.dkv_layout!r} must be 'rows' or 'view'")
     for f in dataclasses.fields(self):
-      if f.name == "dkv_layout":
-        continue
       v = getattr(self, f.name)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f.name}={v!r} must be a positive int")

@@ -292,13 +292,14 @@ def _dflash_dq_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref,
 
 
 def _dflash_dkv_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, do_ref, lse_ref,
-                       delta_ref, dk_ref, dv_ref, *, block_q, groups, layout, qk_scale, scale,
+                       delta_ref, dk_ref, dv_ref, *, block_q, groups, qk_scale, scale,
                        precision):
-  # kc_ref/vc_ref/dk_ref/dv_ref [TK, D]; lse/delta [Qp * G]; lo/hi [Qp]; q_ref/do_ref, by layout:
-  #   "rows": [Qp * G, D] (row r = t * G + g, the rows of one KV head);
-  #   "view": [Qp, G * D] (token t's G heads side by side), reshaped to rows after the load.
-  # Never 3-D [TQ, G, D] loads: reshaping those inside this pipelined loop gave wrong and
-  # run-to-run different dK for G = 4 on the H200 (Triton 3.6).
+  # kc_ref/vc_ref/dk_ref/dv_ref [TK, D]; lse/delta [Qp * G]; lo/hi [Qp]; q_ref/do_ref [Qp, G * D]
+  # (token t's G heads side by side), loaded 2-D and reshaped to rows r = t * G + g.
+  # Not 3-D [TQ, G, D] loads: reshaping those inside this pipelined loop gave wrong and
+  # run-to-run different dK for G = 4 on the H200 (Triton 3.6). Measured on the H200 at
+  # S=8192/N=1024 sliding, fwd+bwd: 6.59 ms and exactly inputs + outputs of memory, vs 7.43 ms
+  # and +0.13 GiB for 2-D rows read from a transposed copy [B, Hkv, Qp * G, D].
   tk, d = kc_ref.shape
   g = groups
   r = block_q * g
@@ -310,11 +311,8 @@ def _dflash_dkv_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, do_ref
     dk, dv = carry
     qs = pl.multiple_of(i * block_q, block_q)
     rs = pl.multiple_of(i * r, r)
-    if layout == "rows":
-      q_RxD, do_RxD = q_ref[pl.ds(rs, r), :], do_ref[pl.ds(rs, r), :]
-    else:
-      q_RxD = q_ref[pl.ds(qs, block_q), :].reshape(r, d)
-      do_RxD = do_ref[pl.ds(qs, block_q), :].reshape(r, d)
+    q_RxD = q_ref[pl.ds(qs, block_q), :].reshape(r, d)
+    do_RxD = do_ref[pl.ds(qs, block_q), :].reshape(r, d)
     lse_R, delta_R = lse_ref[pl.ds(rs, r)], delta_ref[pl.ds(rs, r)]
     # Keys-first scores [TK, R] (k q^T): dV += P^T dO and dK += dS^T q then need no transposed
     # register operand; the contraction over rows sums the G query heads of the KV head.
@@ -408,17 +406,12 @@ def _dkv_call(q5, kc, vc, do5, lse, delta, lo, hi, ranges, *, st: _Static, plan:
   tk = plan.dkv_k
   cfg = st.config
   kernel = functools.partial(
-      _dflash_dkv_kernel, block_q=plan.dkv_q, groups=G, layout=cfg.dkv_layout,
-      qk_scale=st.scale * math.log2(math.e), scale=st.scale, precision=_precision(q5.dtype))
+      _dflash_dkv_kernel, block_q=plan.dkv_q, groups=G, qk_scale=st.scale * math.log2(math.e),
+      scale=st.scale, precision=_precision(q5.dtype))
   tile_k = pl.BlockSpec((None, tk, None, D), lambda j, h, b: (b, j, h, 0))
-  if cfg.dkv_layout == "rows":
-    # One transposed copy each of q and dO (2 x 128 MiB at the 27B drafter's S=8k shapes).
-    q_in, do_in = (x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, Qp * G, D) for x in (q5, do5))
-    full_q = pl.BlockSpec((None, None, Qp * G, D), lambda j, h, b: (b, h, 0, 0))
-  else:
-    # A free reshape: KV head h is the column block [h * G * D, (h + 1) * G * D).
-    q_in, do_in = (x.reshape(B, Qp, Hkv * G * D) for x in (q5, do5))
-    full_q = pl.BlockSpec((None, Qp, G * D), lambda j, h, b: (b, 0, h))
+  # A free reshape: KV head h is the column block [h * G * D, (h + 1) * G * D).
+  q_in, do_in = (x.reshape(B, Qp, Hkv * G * D) for x in (q5, do5))
+  full_q = pl.BlockSpec((None, Qp, G * D), lambda j, h, b: (b, 0, h))
   full_rows = pl.BlockSpec((None, None, Qp * G), lambda j, h, b: (b, h, 0))
   full_tok = pl.BlockSpec((None, Qp), lambda j, h, b: (b, 0))
   return pl.pallas_call(

@@ -121,17 +121,11 @@ class DFlashAttentionSuite:
   """Subclasses set `interpret`; `cases` are the parameterisation."""
   interpret: bool
 
-  def run_case(self, case: Case, dkv_layout: str | None = None):
+  def run_case(self, case: Case):
     (q, kc, vc, kb, vb), (anchors, doc_start, valid) = make_inputs(case)
     kw = dict(block_size=case.block_size, window=case.window)
 
     def kernel(*x):
-      if dkv_layout is not None:   # a non-default layout of the dK/dV kernel's q/dO reads
-        cfg = config.default_config(head_dim=case.head_dim, interpret=self.interpret,
-                                        dtype_bytes=jnp.dtype(case.dtype).itemsize)
-        return dflash_triton.dflash_attention_triton(
-            *x, anchors, doc_start, valid, interpret=self.interpret,
-            config=dataclasses.replace(cfg, dkv_layout=dkv_layout), **kw)
       return api.dflash_attention(*x, anchors, doc_start, valid, implementation="triton",
                                   interpret=self.interpret, **kw)
 
@@ -173,10 +167,6 @@ class DFlashAttentionSuite:
   def test_matches_reference(self, case):
     self.run_case(case)
 
-  @pytest.mark.parametrize("case", [c for c in CASES if c.hq // c.hkv == 4][:2], ids=str)
-  def test_view_layout_matches_reference(self, case):
-    self.run_case(case, dkv_layout="view")
-
 
 def _has_gpu() -> bool:
   try:
@@ -193,10 +183,6 @@ class TestDFlashAttentionGPU(DFlashAttentionSuite):
   @pytest.mark.parametrize("case", GPU_CASES, ids=str)
   def test_matches_reference_large(self, case):
     self.run_case(case)
-
-  @pytest.mark.parametrize("case", [c for c in GPU_CASES if c.hq // c.hkv == 4], ids=str)
-  def test_view_layout_matches_reference_large(self, case):
-    self.run_case(case, dkv_layout="view")
 
 
 class TestDFlashAttentionInterpret(DFlashAttentionSuite):
@@ -232,17 +218,16 @@ def test_lowers_for_cuda(block_size, head_dim, window):
           sd((B, N * block_size, Hkv, head_dim), bf), sd((B, N), jnp.int32),
           sd((B, N), jnp.int32), sd((B, N), jnp.bool_))
 
-  for layout in ("rows", "view"):
-    def loss(q, kc, vc, kb, vb, a, ds, valid, layout=layout):
-      out = dflash_triton.dflash_attention_triton(
-          q, kc, vc, kb, vb, a, ds, valid, block_size=block_size, window=window,
-          config=dataclasses.replace(config.H200, dkv_layout=layout))
-      return jnp.sum(out.astype(jnp.float32))
+  def loss(q, kc, vc, kb, vb, a, ds, valid):
+    out = dflash_triton.dflash_attention_triton(
+        q, kc, vc, kb, vb, a, ds, valid, block_size=block_size, window=window,
+        config=config.H200)
+    return jnp.sum(out.astype(jnp.float32))
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
-        lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert text.count("triton") >= 3, f"expected the fwd, dq and dkv Triton kernels ({layout})"
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert text.count("triton") >= 3, "expected the fwd, dq and dkv Triton kernels"
 
 
 def test_unsupported_shapes_raise():
