@@ -56,7 +56,8 @@ PRESETS: dict[str, tuple[TargetDims, dict]] = {
     "smollm2-135m": (TargetDims(30, 576, 49152, 9, 3, 64, 1536, dtype="float32",
                                 rope_theta=100000.0, rms_norm_eps=1e-5,
                                 max_position_embeddings=8192, name="SmolLM2-135M"), {}),
-    "qwen3.6-27b": (TargetDims(64, 5120, 248320, 32, 8, 128, 17408, name="Qwen3.6-27B"), {
+    "qwen3.6-27b": (TargetDims(64, 5120, 248320, 32, 8, 128, 17408, rope_theta=10_000_000.0,
+                               name="Qwen3.6-27B"), {
         "drafter": {"num_hidden_layers": 5, "layer_types": [_SW] * 4 + ["full_attention"],
                     "sliding_window": 2048, "num_target_features": 5, "num_attention_heads": 32,
                     "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408},
