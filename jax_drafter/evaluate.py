@@ -145,14 +145,15 @@ def encode(tokenizer, prompt) -> list[int]:
 class _JaxProposer:
   """spec_decode.Proposer over a DrafterSession: target features cross to JAX through DLPack."""
 
-  def __init__(self, session: DrafterSession, max_len: int, seed: int):
-    self.session, self.max_len = session, max_len
+  def __init__(self, session: DrafterSession, max_len: int, seed: int, device=None):
+    self.session, self.max_len, self.device = session, max_len, device
     self.key = jax.random.key(seed)
     self.steps = 0
 
   def _put(self, feats, count):
     h = Handoff()
-    self.session.extend(h.put(feats, name="target features"), count)
+    # device: the drafter's; a target on another GPU gets one explicit copy (as in training).
+    self.session.extend(h.put(feats, name="target features", device=self.device), count)
     h.release_after(self.session.cache)  # torch may reuse the buffer only after JAX read it
 
   def start(self, feats):
@@ -210,11 +211,13 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
   eos = spec_decode.eos_token_ids(target)
   keep = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
   if proposer is None:
+    devices = jax.tree.leaves(params)[0].devices()
+    device = next(iter(devices)) if len(devices) == 1 else None
     if frozen is None:
-      frozen = import_frozen(target.embedding, target.lm_head, keep)
+      frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
     session = DrafterSession(cfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                              block_size=K, temperature=temperature)
-    proposer = _JaxProposer(session, max(map(len, ids)) + max_new_tokens + K, seed)
+    proposer = _JaxProposer(session, max(map(len, ids)) + max_new_tokens + K, seed, device)
   kw = dict(eos_ids=eos, temperature=temperature)
   # Warm-up (untimed): compiles the drafter's two jitted steps and touches the target's kernels.
   # Prefill extends in K-row chunks like the steps, so one verify step compiles everything.

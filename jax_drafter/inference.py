@@ -104,7 +104,9 @@ def _compiled(graphdef, theta: float, impl: tuple, temperature: float):
   """Jitted (extend, block_hidden, propose), shared by sessions of one architecture: evaluating
   again (every M training steps) reuses the compiled code instead of tracing anew."""
   attn_impl = dict(impl)
-  return (jax.jit(functools.partial(_extend, graphdef, theta=theta)),
+  # The cache is donated: each extend writes C rows in place instead of copying [L, M, Hkv, Dh]
+  # twice (K and V). It is created by JAX here, never a DLPack import, so donation is safe.
+  return (jax.jit(functools.partial(_extend, graphdef, theta=theta), donate_argnums=(1,)),
           jax.jit(functools.partial(_block_hidden, graphdef, theta=theta, attn_impl=attn_impl)),
           jax.jit(functools.partial(_propose, graphdef, theta=theta, attn_impl=attn_impl,
                                     temperature=temperature)))

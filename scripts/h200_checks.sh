@@ -19,7 +19,8 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LIMIT=${LIMIT:-570}    # seconds for a whole part
-[ $# -ge 1 ] || { echo "which parts: kernel parity memory bench bench-8b bench-32k bench-64k cublas"; exit 2; }
+[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench parity memory bench bench-all" \
+                      "bench-8k bench-remat bench-8b bench-32k bench-64k cublas"; exit 2; }
 
 part_cmds() {
   local part=$1
@@ -48,7 +49,7 @@ part_cmds() {
       run timeout 300 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len 131072 \
           --anchors 4096 --budget 96GiB --run --no-scaling ;;
     bench)
-      run timeout 420 python3 -m jax_drafter.bench --case 27b-8k --breakdown --timeout 400 \
+      run timeout 420 python3 -m jax_drafter.bench --case 27b-8k --breakdown 27b-8k --timeout 400 \
           --json "$OUT/bench.json"
       run timeout 140 python3 -m jax_drafter.bench --case 27b-8k --side jax --remat layer \
           --timeout 130 --json "$OUT/bench-remat.json" ;;
