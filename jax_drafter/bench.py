@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from jax_drafter import presets
+from pallas_kernels.dflash_attention.reference import visible_pairs
 
 H200_BF16_PEAK = 989e12
 
@@ -39,19 +40,6 @@ def sample_anchors(S: int, N: int, B: int, seed: int = 0) -> np.ndarray:
   return np.stack([np.sort(r.choice(S - 1, size=N, replace=False)) for _ in range(B)])
 
 
-def visible_keys(anchors: np.ndarray, K: int, window: int | None) -> int:
-  """Exact number of (query, key) pairs the DFlash mask allows, one document from position 0."""
-  a = anchors[..., None].astype(np.int64)
-  o = np.arange(K)
-  if window is None:
-    ctx = np.broadcast_to(a, a.shape[:-1] + (K,))
-    blk = np.full(K, K)
-  else:
-    ctx = a - np.maximum(0, a + o - (window - 1))
-    blk = o + 1
-  return int(np.clip(ctx, 0, None).sum() + blk.sum() * anchors.size)
-
-
 def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
   """Model FLOPs of one training step (GPU.md's rule): matmuls fwd + input grad + weight grad
   where those exist; the frozen LM head forward + input gradient only, on the supervised rows
@@ -62,11 +50,13 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
   T, C, F = B * N * K, B * S, len(cfg.target_layer_ids) * D
   anchors = sample_anchors(S, N, B)
   parts = {"fc": 2 * C * F * D * 2, "lm_head": 2 * (B * N * (K - 1)) * D * V * 2}
+  pairs = {w: visible_pairs(anchors, np.zeros_like(anchors), block_size=K, window=w)
+           for w in {cfg.window(i) for i in range(cfg.num_hidden_layers)}}
   proj = mlp = attn = 0.0
   for i in range(cfg.num_hidden_layers):
     proj += 3 * 2 * (T * D * Hq * Dh * 2 + (C + T) * D * Hkv * Dh * 2)
     mlp += 3 * 2 * T * D * I * 3
-    attn += 3 * 4 * Dh * Hq * visible_keys(anchors, K, cfg.window(i))
+    attn += 3 * 4 * Dh * Hq * pairs[cfg.window(i)]
   parts.update(projections=proj, mlp=mlp, attention=attn)
   parts["total"] = sum(parts.values())
   return parts

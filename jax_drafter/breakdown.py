@@ -17,26 +17,17 @@ sum to more than the step; the "rest" line then goes negative, which is itself i
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_drafter import objective
 from jax_drafter import step as step_lib
+from pallas_kernels.timing import median_seconds
 
 
 def _timed(fn, args, reps: int) -> float:
-  """Median wall time in seconds of fn(*args) over `reps` runs after one compile + warm-up."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
+  return median_seconds(lambda: fn(*args), warmup=1, reps=reps)
 
 
 def _fwd_bwd(f, n_diff: int):

@@ -23,7 +23,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch
 
 import argparse
 import dataclasses
-import statistics
 import time
 
 import jax
@@ -32,7 +31,9 @@ import numpy as np
 
 from pallas_kernels.dflash_attention import api
 from pallas_kernels.dflash_attention import config as config_lib
+from pallas_kernels.dflash_attention import reference
 from pallas_kernels.dflash_attention import triton as dflash_triton
+from pallas_kernels.timing import median_seconds
 
 HQ, HKV, HEAD_DIM, BLOCK, WINDOW = 32, 8, 128, 16, 2048
 SHAPES = ((8192, 1024), (32768, 2048), (65536, 2048))
@@ -74,29 +75,6 @@ def make_problem(S: int, N: int, seed: int = 0):
             (1, Q, HKV, HEAD_DIM), (1, Q, HKV, HEAD_DIM))
   xs = tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes))
   return xs, (anchors, doc_start, valid)
-
-
-def visible_keys(anchors, doc_start, *, S: int, window: int | None) -> int:
-  """Number of (query token, visible key) pairs, per head."""
-  a = anchors.astype(np.int64)[..., None]
-  o = np.arange(BLOCK)[None, None, :]
-  lower = doc_start[..., None] + 0 * o
-  if window is not None:
-    lower = np.maximum(lower, a + o - (window - 1))
-  ctx = np.clip(a - lower, 0, None).sum()  # over [B, N, K]
-  blk = anchors.size * (BLOCK * BLOCK if window is None else BLOCK * (BLOCK + 1) // 2)
-  return int(ctx + blk)
-
-
-def median_time(fn, *args, warmup: int = 2, reps: int = 7) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t)
-  return statistics.median(ts)
 
 
 def jax_memory_gib(jitted, *args) -> float:
@@ -147,9 +125,9 @@ def bench_jax_fn(attn, xs, flops_fwd, row, reps):
   ct = jax.random.normal(jax.random.PRNGKey(1), xs[0].shape, xs[0].dtype)
   try:
     row.mem_gib = jax_memory_gib(step, ct, *xs)
-    t = median_time(fwd, *xs, reps=reps)
+    t = median_seconds(lambda: fwd(*xs), reps=reps)
     row.fwd_ms, row.fwd_tflops = t * 1e3, flops_fwd / t / 1e12
-    t = median_time(step, ct, *xs, reps=reps)
+    t = median_seconds(lambda: step(ct, *xs), reps=reps)
     row.step_ms, row.step_tflops = t * 1e3, 3.5 * flops_fwd / t / 1e12
   except Exception as e:  # noqa: BLE001
     row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
@@ -172,27 +150,14 @@ def bench_flex(xs, idx, *, window, flops_fwd, shape, reps):
   kw = dict(block_size=BLOCK, window=window, scale=HEAD_DIM ** -0.5)
 
   def timed(fn, backward: bool):
+    """Wall time with a device sync, as the JAX rows are timed (launch overhead included)."""
     ct = torch.randn_like(fn()) if backward else None
 
     def once():
       out = fn()
       if backward:
         torch.autograd.grad(out, (tq, tkc, tvc, tkb, tvb), ct)
-    for _ in range(2):
-      once()
-    ts = []
-    for _ in range(reps if dev.type == "cuda" else 0):
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      once()
-      end.record()
-      torch.cuda.synchronize()
-      ts.append(start.elapsed_time(end) / 1e3)
-    if dev.type == "cpu":  # smoke test of this function only
-      t = time.perf_counter()
-      once()
-      return time.perf_counter() - t
-    return statistics.median(ts)
+    return median_seconds(once, sync=lambda _: torch.cuda.synchronize(), reps=reps)
 
   from torch.nn.attention.flex_attention import flex_attention
   compiled = torch.compile(flex_attention, dynamic=False)
@@ -285,7 +250,7 @@ def main(argv=None):
           flush=True)
     for layer in args.layers.split(","):
       window = WINDOW if layer == "sliding" else None
-      flops = 4 * HEAD_DIM * HQ * visible_keys(idx[0], idx[1], S=S, window=window)
+      flops = 4 * HEAD_DIM * HQ * reference.visible_pairs(*idx, block_size=BLOCK, window=window)
       common = dict(window=window, flops_fwd=flops, shape=shape, reps=args.reps)
       problems.append((S, N, layer, xs, idx, common))
       tune = args.tune.split(",") if args.tune and len(problems) == 1 else []

@@ -26,7 +26,9 @@ def context_mask(anchors_BxN, doc_start_BxN, block_valid_BxN, *, block_size: int
   o = jnp.arange(block_size)[None, None, :, None]
   j = jnp.arange(seq_len)[None, None, None, :]
   lower = lo if window is None else jnp.maximum(lo, a + o - (window - 1))
-  return (j >= lower) & (j < a) & block_valid_BxN[:, :, None, None]
+  m = (j >= lower) & (j < a) & block_valid_BxN[:, :, None, None]
+  # Full layers do not depend on o: broadcast (free under XLA) so the shape is always as stated.
+  return jnp.broadcast_to(m, m.shape[:2] + (block_size, seq_len))
 
 
 def block_mask(block_valid_BxN, *, block_size: int, window: int | None):
@@ -35,6 +37,23 @@ def block_mask(block_valid_BxN, *, block_size: int, window: int | None):
   o2 = jnp.arange(block_size)[None, :]
   inner = jnp.ones((block_size, block_size), bool) if window is None else (o2 <= o)
   return inner[None, None] & block_valid_BxN[:, :, None, None]
+
+
+def visible_pairs(anchors_BxN, doc_start_BxN, block_valid_BxN=None, *, block_size: int,
+                  window: int | None) -> int:
+  """Number of (query token, visible key) pairs per head, by index arithmetic in numpy (the
+  count of context_mask + block_mask without building them): the work an exact kernel does,
+  the FLOP count of the benchmarks."""
+  import numpy as np
+  a = np.asarray(anchors_BxN, np.int64)[..., None]
+  lo = np.asarray(doc_start_BxN, np.int64)[..., None]
+  valid = (np.ones(a.shape[:-1], bool) if block_valid_BxN is None
+           else np.asarray(block_valid_BxN, bool))
+  o = np.arange(block_size)
+  lower = lo if window is None else np.maximum(lo, a + o - (window - 1))
+  ctx = np.clip(a - lower, 0, None) * np.ones(block_size, np.int64)         # [B, N, K]
+  blk = np.full(block_size, block_size) if window is None else o + 1        # [K]
+  return int(((ctx + blk) * valid[..., None]).sum())
 
 
 def dflash_attention_reference(q_BxQxHqxD, k_ctx_BxSxHkvxD, v_ctx_BxSxHkvxD, k_blk_BxQxHkvxD,

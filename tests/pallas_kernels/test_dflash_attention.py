@@ -230,6 +230,17 @@ def test_lowers_for_cuda(block_size, head_dim, window):
   assert text.count("triton") >= 3, "expected the fwd, dq and dkv Triton kernels"
 
 
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_visible_pairs_counts_the_mask(case):
+  """The benchmarks' FLOP count (index arithmetic) equals the dense masks' count, documents and
+  invalid blocks included."""
+  _, (anchors, doc_start, valid) = make_inputs(case)
+  kw = dict(block_size=case.block_size, window=case.window)
+  dense = (int(reference.context_mask(anchors, doc_start, valid, seq_len=case.seq_len, **kw).sum())
+           + int(reference.block_mask(valid, **kw).sum()))
+  assert reference.visible_pairs(anchors, doc_start, valid, **kw) == dense
+
+
 def test_unsupported_shapes_raise():
   case = Case(hq=6, hkv=2)  # G = 3: not a power of two
   x, idx = make_inputs(case)
