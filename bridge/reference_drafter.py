@@ -68,7 +68,7 @@ class DFlashAttention(nn.Module):
     self.block_size = cfg.block_size
 
   def forward(self, x_BxQxD, ctx_BxSxD, rope_ctx, rope_blk, anchors, doc_start, block_valid, *,
-              backend: str, cd: torch.dtype):
+              backend: str, cd: torch.dtype, masks: dict | None = None):
     Hq, Hkv, Dh = self.shape
     B, Q, _ = x_BxQxD.shape
     S = ctx_BxSxD.shape[1]
@@ -83,7 +83,7 @@ class DFlashAttention(nn.Module):
     with _autocast(q.device, cd, enabled=False):   # the op controls its own precision
       o = dflash_attention_torch(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid,
                                  block_size=self.block_size, window=self.window,
-                                 scale=Dh ** -0.5, backend=backend)
+                                 scale=Dh ** -0.5, backend=backend, masks=masks)
     return self.o_proj(o.reshape(B, Q, Hq * Dh))
 
 
@@ -95,9 +95,10 @@ class DFlashDecoderLayer(nn.Module):
     self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
     self.mlp = Qwen3MLP(qcfg)
 
-  def forward(self, x, ctx, rope_ctx, rope_blk, anchors, doc_start, block_valid, *, backend, cd):
+  def forward(self, x, ctx, rope_ctx, rope_blk, anchors, doc_start, block_valid, *, backend, cd,
+              masks=None):
     h = x + self.self_attn(self.input_layernorm(x).to(cd), ctx, rope_ctx, rope_blk, anchors,
-                           doc_start, block_valid, backend=backend, cd=cd).to(cd)
+                           doc_start, block_valid, backend=backend, cd=cd, masks=masks).to(cd)
     return h + self.mlp(self.post_attention_layernorm(h).to(cd)).to(cd)
 
 
@@ -127,12 +128,13 @@ class DFlashDrafter(nn.Module):
     rope_ctx = self.rotary_emb(f32, ctx_pos_BxS)
     rope_blk = self.rotary_emb(f32, blk_pos_BxQ)
     outs = []
+    masks = {}   # attention masks of this forward's anchors: built once per window, not per layer
     with _autocast(dev, cd):
       ctx = self.hidden_norm(self.fc(target_feat_BxSxF.to(cd))).to(cd)
       x = noise_emb_BxQxD.to(cd)
       for layer in self.layers:
         x = layer(x, ctx, rope_ctx, rope_blk, anchors_BxN, doc_start_BxN, block_valid_BxN,
-                  backend=self.attention, cd=cd)
+                  backend=self.attention, cd=cd, masks=masks)
         outs.append(x)
       h = self.norm(x).to(cd)
     return (h, outs) if return_layers else h

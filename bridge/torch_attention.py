@@ -60,7 +60,8 @@ def dense_mask(anchors, doc_start, block_valid, *, block_size: int, window: int 
 
 
 def _eager(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *, block_size, window,
-           scale):
+           scale, masks=None):
+  del masks   # the oracle builds its masks inline, every call
   B, Q, Hq, D = q.shape
   S, Hkv = k_ctx.shape[1], k_ctx.shape[2]
   N, K, G = anchors.shape[1], block_size, Hq // Hkv
@@ -88,11 +89,20 @@ def _eager(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *, bl
   return o.reshape(B, Q, Hq, D).to(q.dtype)
 
 
+def _memo(masks: dict | None, key, build):
+  """A mask built once per `masks` dict (one forward: same anchors in every layer)."""
+  if masks is None:
+    return build()
+  if key not in masks:
+    masks[key] = build()
+  return masks[key]
+
+
 def _sdpa(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *, block_size, window,
-          scale):
+          scale, masks=None):
   S = k_ctx.shape[1]
-  mask = dense_mask(anchors, doc_start, block_valid, block_size=block_size, window=window,
-                    seq_len=S)
+  mask = _memo(masks, ("dense", window, S), lambda: dense_mask(
+      anchors, doc_start, block_valid, block_size=block_size, window=window, seq_len=S))
   # Rows of invalid blocks would be fully masked (NaN in SDPA): let them see everything and zero
   # their output below, which also zeroes every gradient that flows through them.
   row_valid = block_valid.repeat_interleave(block_size, dim=1)             # [B, Q]
@@ -142,10 +152,10 @@ def flex_block_mask(anchors, doc_start, block_valid, *, block_size: int, window:
 
 
 def _flex(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *, block_size, window,
-          scale):
+          scale, masks=None):
   S = k_ctx.shape[1]
-  bm = flex_block_mask(anchors, doc_start, block_valid, block_size=block_size, window=window,
-                       seq_len=S)
+  bm = _memo(masks, ("flex", window, S), lambda: flex_block_mask(
+      anchors, doc_start, block_valid, block_size=block_size, window=window, seq_len=S))
   k = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
   v = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
   fn = _flex_fn(q.device.type == "cuda")
@@ -160,8 +170,12 @@ _IMPL = {"eager": _eager, "sdpa": _sdpa, "flex": _flex}
 
 def dflash_attention_torch(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
                            block_size: int, window: int | None = None, scale: float | None = None,
-                           backend: str = "eager"):
-  """DFlash attention in torch; returns [B, Q, Hq, D] in q's dtype (see the module docstring)."""
+                           backend: str = "eager", masks: dict | None = None):
+  """DFlash attention in torch; returns [B, Q, Hq, D] in q's dtype (see the module docstring).
+
+  masks: a dict shared by the layers of one forward (same anchors): sdpa's dense mask and flex's
+  BlockMask are then built once per distinct window, not once per layer.
+  """
   if backend not in _IMPL:
     raise ValueError(f"{backend=} is not one of {BACKENDS}")
   B, Q, Hq, D = q.shape
@@ -175,4 +189,4 @@ def dflash_attention_torch(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, bl
     raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({k_ctx.shape[2]})")
   scale = D ** -0.5 if scale is None else scale
   return _IMPL[backend](q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid,
-                        block_size=block_size, window=window, scale=scale)
+                        block_size=block_size, window=window, scale=scale, masks=masks)

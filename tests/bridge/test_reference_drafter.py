@@ -124,3 +124,34 @@ def test_module_names_are_zlab_names():
   model = ref.build_reference(cfg)
   got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
   assert got == zlab_shapes(cfg)
+
+
+def test_forward_builds_each_window_mask_once(monkeypatch):
+  """The layers of one forward share their masks: 3 layers with 2 distinct windows build 2 dense
+  masks (not 3), and the output equals the eager oracle's, which builds its masks inline."""
+  from bridge import torch_attention
+  cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, vocab_size=128,
+                      num_target_layers=8, target_layer_ids=(1, 4), mask_token_id=3, block_size=K,
+                      layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                      sliding_window=3)
+  built = []
+  real = torch_attention.dense_mask
+  monkeypatch.setattr(torch_attention, "dense_mask",
+                      lambda *a, **kw: built.append(kw["window"]) or real(*a, **kw))
+  torch.manual_seed(0)
+  outs = {}
+  for backend in ("eager", "sdpa"):
+    model = ref.build_reference(cfg, attention=backend)
+    with torch.no_grad():
+      for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    idx = map(torch.from_numpy, (ANCHORS, DOC_START, VALID))
+    feats = torch.randn(B, S, 2 * 32, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(B, N * K, 32, generator=torch.Generator().manual_seed(2))
+    ctx_pos = torch.arange(S).expand(B, S)
+    blk_pos = (torch.from_numpy(ANCHORS).long()[:, :, None] + torch.arange(K)).reshape(B, -1)
+    with torch.no_grad():
+      outs[backend] = model(noise, feats, ctx_pos, blk_pos, *idx)
+  assert sorted(built, key=str) == [3, None]
+  np.testing.assert_allclose(outs["sdpa"].numpy(), outs["eager"].numpy(), **TOL)
