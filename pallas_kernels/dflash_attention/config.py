@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 
-def _pow2(x: int) -> bool:
+def is_pow2(x: int) -> bool:
   return x > 0 and x & (x - 1) == 0
 
 
@@ -41,9 +41,9 @@ class DFlashConfig:
       v = getattr(self, f.name)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f.name}={v!r} must be a positive int")
-      if f.name.endswith(("_rows", "_keys")) and (not _pow2(v) or v < 16):
+      if f.name.endswith(("_rows", "_keys")) and (not is_pow2(v) or v < 16):
         raise ValueError(f"{f.name}={v} must be a power of two >= 16 (Triton tile dims)")
-      if f.name.endswith("_warps") and not _pow2(v):
+      if f.name.endswith("_warps") and not is_pow2(v):
         raise ValueError(f"{f.name}={v} must be a power of two")
 
 

@@ -40,10 +40,6 @@ _NO_ROW = 1 << 30     # row lo of an invalid block / padding row (larger than an
 _BIG = 1 << 30
 
 
-def _pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
-
-
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
@@ -168,10 +164,10 @@ def _rows(x_T, groups: int):
   return jnp.broadcast_to(x_T[:, None], (tq, groups)).reshape(tq * groups)
 
 
-def _load_rows(ref, start, size: int):
-  """ref [T, G, D] -> rows [size * G, D] of tokens [start, start + size)."""
-  _, g, d = ref.shape
-  return ref[pl.ds(start, size), :, :].reshape(size * g, d)
+def _load_rows(ref):
+  """A whole [T, G, D] block (loaded once, outside any loop) -> rows [T * G, D]."""
+  t, g, d = ref.shape
+  return ref[...].reshape(t * g, d)
 
 
 def _ctx_mask(lo_R, hi_R, start, block_k: int, *, keys_first: bool = False):
@@ -215,7 +211,7 @@ def _dflash_fwd_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref
   # q_ref/o_ref [TQ, G, D]; kc_ref/vc_ref [Sp, D]; kb_ref/vb_ref [TQ, D]; lse_ref [R].
   tq, g, d = q_ref.shape
   r = tq * g
-  q_RxD = _load_rows(q_ref, 0, tq)
+  q_RxD = _load_rows(q_ref)
   lo_R, hi_R = _rows(lo_ref[...], g), _rows(hi_ref[...], g)
 
   # Own-block keys first: every row sees its block's key 0, so m is finite from here on and
@@ -255,7 +251,7 @@ def _dflash_dq_kernel(ranges_ref, lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref,
   # As the forward; also owns the gradients of its blocks' keys (no other tile sees them).
   tq, g, d = q_ref.shape
   r = tq * g
-  q_RxD, do_RxD = _load_rows(q_ref, 0, tq), _load_rows(do_ref, 0, tq)
+  q_RxD, do_RxD = _load_rows(q_ref), _load_rows(do_ref)
   lse_R, delta_R = lse_ref[...], delta_ref[...]
   lo_R, hi_R = _rows(lo_ref[...], g), _rows(hi_ref[...], g)
   dt = q_RxD.dtype
@@ -532,9 +528,9 @@ def dflash_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, b
   B, Q, Hq, D = q.shape
   Hkv = k_ctx.shape[2]
   G = Hq // Hkv
-  if not _pow2(G):
+  if not config_lib.is_pow2(G):
     raise NotImplementedError(f"query heads per KV head G={G} must be a power of two")
-  if not _pow2(D) or D < 16:
+  if not config_lib.is_pow2(D) or D < 16:
     raise NotImplementedError(f"head_dim={D} must be a power of two >= 16")
   if len({x.dtype for x in (q, k_ctx, v_ctx, k_blk, v_blk)}) != 1:
     raise NotImplementedError("q, k_ctx, v_ctx, k_blk, v_blk must share one dtype")
