@@ -96,6 +96,18 @@ def test_budget_that_fits_keeps_the_config(base):
     memory.parse_size("lots")
 
 
+def test_budget_search_picks_a_config_that_fits(base):
+  # A budget just under the default's peak: the search must try the other configs and return
+  # one whose compiled peak really is within the budget (on CPU, halving the CE chunk does it).
+  smaller = memory.analyze(_plan(ce_chunk_size=_plan().train.ce_chunk_size // 2))
+  assert smaller.peak_bytes < base.peak_bytes
+  budget = (smaller.peak_bytes + base.peak_bytes) // 2
+  fit = memory.fit_to_budget(_plan(), budget, base, log=lambda *_: None)
+  assert fit.fits and "fits with" in fit.message, fit.message
+  assert fit.plan.train != _plan().train
+  assert memory.analyze(fit.plan).peak_bytes <= budget < base.peak_bytes
+
+
 # ---- remat policies give the same loss and gradients as no remat ----
 
 CFG = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
