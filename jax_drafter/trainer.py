@@ -128,6 +128,13 @@ class Placement:
   def split_rows(self, x):
     return jnp.asarray(x) if self.mesh is None else jax.device_put(x, self.rows)
 
+  def features(self, handoff, feats_t):
+    """Target features (torch) -> JAX, placed once: on the drafter's device, or straight to
+    the devices that own their rows (not via the first device)."""
+    if self.mesh is None:
+      return handoff.put(feats_t, name="target features", device=self.device)
+    return self.split_rows(handoff.put(feats_t, name="target features"))
+
 
 def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: str | None = None,
           stop_after: int | None = None) -> dict[str, Any]:
@@ -260,7 +267,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         host, feats_t = next_batch()
         h = Handoff()
         batch = {k: place.split_rows(v) for k, v in host.items()}
-        batch["features"] = place.split_rows(h.put(feats_t, name="target features", device=device))
+        batch["features"] = place.features(h, feats_t)
         if i == first and memory_report:
           from jax_drafter import memory
           summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,
@@ -270,14 +277,13 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         if pending is not None:
           finish(pending)
         pending = (i, metrics, h, data_state, time.time())
-        if i == first and memory_report and "memory" in summary:
+        if i == first and memory_report:
           jax.block_until_ready(metrics)
-          stats = jax.local_devices()[0].memory_stats() or {}
-          summary["memory"]["measured_peak_bytes"] = stats.get("peak_bytes_in_use")
-          log.info("memory at step 1: predicted peak %.3f GiB, measured %s",
-                   summary["memory"].get("predicted_peak_bytes", 0) / 2**30,
-                   f"{stats['peak_bytes_in_use'] / 2**30:.3f} GiB" if "peak_bytes_in_use" in stats
-                   else "n/a on this backend")
+          measured = memory.measured_peak_bytes()
+          summary["memory"]["measured_peak_bytes"] = measured
+          log.info("memory at step 1: predicted peak %s GiB, measured %s",
+                   memory.gib(summary["memory"]["predicted_peak_bytes"]).strip(),
+                   "n/a on this backend" if measured is None else f"{memory.gib(measured).strip()} GiB")
         if (i + 1) % t.checkpoint_every == 0 and i + 1 < total:
           finish(pending)
           pending = None
