@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jax_drafter import config as config_lib
 from jax_drafter import params as params_lib
+from jax_drafter import presets
 from jax_drafter import step as step_lib
 from jax_drafter import xla_dump
 
@@ -46,6 +47,23 @@ class TargetDims:
   name: str = "preset"
 
 
+def _from_drafter_preset(name: str, label: str, *, seq_len: int, anchors: int):
+  """(TargetDims, run-config overrides) of a presets.py drafter, bf16, one row of seq_len."""
+  d = presets.get(name)
+  dims = TargetDims(d.num_target_layers, d.hidden_size, d.vocab_size, d.num_attention_heads,
+                    d.num_key_value_heads, d.head_dim, d.intermediate_size,
+                    rope_theta=d.rope_theta, rms_norm_eps=d.rms_norm_eps,
+                    max_position_embeddings=d.max_position_embeddings, name=label)
+  drafter = {f: getattr(d, f) for f in (
+      "num_hidden_layers", "block_size", "layer_types", "sliding_window", "mask_token_id",
+      "target_layer_ids", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+      "head_dim", "rope_theta", "rms_norm_eps")}
+  drafter = {k: list(v) if isinstance(v, tuple) else v for k, v in drafter.items()}
+  return dims, {"drafter": drafter, "target": {"dtype": "bfloat16"},
+                "data": {"seq_len": seq_len, "batch_size": 1},
+                "train": {"num_anchors": anchors, "compute_dtype": "bfloat16"}}
+
+
 _SW = "sliding_attention"
 PRESETS: dict[str, tuple[TargetDims, dict]] = {
     "tiny": (TargetDims(8, 64, 512, 4, 2, 16, 128, dtype="float32", name="tiny"), {
@@ -56,19 +74,10 @@ PRESETS: dict[str, tuple[TargetDims, dict]] = {
     "smollm2-135m": (TargetDims(30, 576, 49152, 9, 3, 64, 1536, dtype="float32",
                                 rope_theta=100000.0, rms_norm_eps=1e-5,
                                 max_position_embeddings=8192, name="SmolLM2-135M"), {}),
-    "qwen3.6-27b": (TargetDims(64, 5120, 248320, 32, 8, 128, 17408, rope_theta=10_000_000.0,
-                               name="Qwen3.6-27B"), {
-        "drafter": {"num_hidden_layers": 5, "layer_types": [_SW] * 4 + ["full_attention"],
-                    "sliding_window": 2048, "num_target_features": 5, "num_attention_heads": 32,
-                    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408},
-        "target": {"dtype": "bfloat16"},
-        "data": {"seq_len": 8192, "batch_size": 1},
-        "train": {"num_anchors": 1024, "compute_dtype": "bfloat16"}}),
-    "qwen3-8b": (TargetDims(36, 4096, 151936, 32, 8, 128, 12288, name="Qwen3-8B"), {
-        "drafter": {"num_hidden_layers": 5, "num_target_features": 5},
-        "target": {"dtype": "bfloat16"},
-        "data": {"seq_len": 8192, "batch_size": 1},
-        "train": {"num_anchors": 1024, "compute_dtype": "bfloat16"}}),
+    # The real drafters: target dims and drafter fields come from jax_drafter.presets (the
+    # benchmark's architectures), only the run shape is set here.
+    "qwen3.6-27b": _from_drafter_preset("qwen3.6-27b", "Qwen3.6-27B", seq_len=8192, anchors=1024),
+    "qwen3-8b": _from_drafter_preset("qwen3-8b", "Qwen3-8B", seq_len=8192, anchors=1024),
 }
 
 
