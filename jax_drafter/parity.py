@@ -2,7 +2,7 @@
 
   python -m jax_drafter.parity [--config tiny|qwen3.6-27b|RUN.yaml] [--device cpu|gpu]
       [--dtype float32|bfloat16] [--seed S | --run-dir RUN [--step N] | --zlab DIR]
-      [--jax-attention reference|xla|triton] [--torch-attention eager|sdpa|flex]
+      [--jax-attention auto|reference|xla|triton] [--torch-attention eager|sdpa|flex]
       [--steps K] [--json REPORT] [--perturb]
 
 One set of weights (from a seed, a run's checkpoint or a z-lab directory), one batch (target
@@ -86,7 +86,9 @@ def parse(argv):
   w.add_argument("--run-dir", help="weights from this training run's checkpoint")
   w.add_argument("--zlab", help="weights from a z-lab DFlash directory")
   ap.add_argument("--step", type=int, default=None, help="checkpoint step with --run-dir")
-  ap.add_argument("--jax-attention", default="reference", choices=("reference", "xla", "triton"))
+  ap.add_argument("--jax-attention", default="auto", choices=("auto", "reference", "xla", "triton"),
+                  help="auto (default): what training uses on --device (xla on cpu, the Pallas "
+                  "kernel on gpu); reference: the f32 dense-mask oracle")
   ap.add_argument("--torch-attention", default="eager", choices=("eager", "sdpa", "flex"))
   ap.add_argument("--steps", type=int, default=5, help="training steps to compare (0: none)")
   ap.add_argument("--batch", type=int), ap.add_argument("--seq-len", type=int)
@@ -182,6 +184,8 @@ def main(argv=None) -> int:
   dev = torch.device("cuda" if args.device == "gpu" else "cpu")
   tcd = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
   jax_dev = jax.devices("gpu" if args.device == "gpu" else "cpu")[0]
+  if args.jax_attention == "auto":
+    args.jax_attention = "triton" if args.device == "gpu" else "xla"
   attn = {"implementation": args.jax_attention}
   if args.jax_attention == "triton" and args.device == "cpu":
     attn["interpret"] = True
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
       loss_t.backward()
       _progress(f"step {i}: torch done")
       if i == 0:   # the full table on the initial weights
-        for li, (oj, ot) in enumerate(zip(outs_j, outs_t)):
+        for li, (oj, ot) in enumerate(zip(outs_j, outs_t, strict=True)):
           compare(f"hidden.layer{li}", oj, ot, "hidden")
         compare("hidden.final", h_j, h_t, "hidden")
         T = min(64, h_j.shape[1])

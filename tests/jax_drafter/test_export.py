@@ -9,7 +9,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from bridge import reference_drafter as ref
-from bridge.weights import load_zlab_into
+from bridge.weights import flat_from_torch, load_zlab_into
 from jax_drafter import export, parity
 from jax_drafter.config import DrafterConfig, TrainSection
 from jax_drafter.model import Drafter
@@ -48,6 +48,13 @@ def test_zlab_dir_loads_into_reference_and_matches(tmp_path, capsys):
   export.write_zlab(str(tmp_path), CFG, _params(3))
   model = ref.build_reference(CFG)
   load_zlab_into(model, str(tmp_path))        # strict: no missing or unexpected keys
+  # The torch loader (file layout as is) and the JAX reader (transposes) agree on every weight;
+  # a layout bug in either path shows here, square matrices included.
+  _, _, params = export.read_zlab(str(tmp_path))
+  got, want = flat_from_torch(model.state_dict()), to_flat(params)
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], np.asarray(want[k], np.float32), err_msg=k)
   # Same outputs: parity of the exported weights (JAX reads the directory, torch loads it).
   assert parity.main(["--zlab", str(tmp_path), "--steps", "0"]) == 0, capsys.readouterr().out
 
