@@ -39,7 +39,6 @@ def main(argv=None) -> int:
   ap.add_argument("--case", required=True, choices=sorted(CASES))
   ap.add_argument("--steps", type=int, default=6)
   ap.add_argument("--ce-chunk", type=int, default=2048)
-  ap.add_argument("--remat", default="none")
   ap.add_argument("--attention", default="flex")
   args = ap.parse_args(argv)
   c = CASES[args.case]
@@ -49,7 +48,7 @@ def main(argv=None) -> int:
   dev = torch.device("cuda" if cuda else "cpu")
   cd = torch.bfloat16 if cuda else torch.float32
   result = {"status": "ok", "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "attention": args.attention}
+            "attention": args.attention, "remat": "CE chunks only"}
   try:
     model = ref.build_reference(cfg, device=dev, compute_dtype=cd, attention=args.attention)
     with torch.no_grad():

@@ -65,7 +65,9 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
 def _worker_cmd(side: str, case: str, args) -> list[str]:
   mod = "jax_drafter.bench" if side == "jax" else "bridge.bench_torch"
   cmd = [sys.executable, "-m", mod, "--worker", "--case", case, "--steps", str(args.steps),
-         "--ce-chunk", str(args.ce_chunk), "--remat", args.remat]
+         "--ce-chunk", str(args.ce_chunk)]
+  if side == "jax":   # --remat is the JAX drafter's; the PyTorch path checkpoints its CE chunks only
+    cmd += ["--remat", args.remat]
   if side == "jax" and args.attention:
     cmd += ["--attention", args.attention]
   if side == "jax" and case in args.breakdown:
