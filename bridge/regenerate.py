@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from bridge.target import eos_token_ids
+
 log = logging.getLogger(__name__)
 
 
@@ -109,7 +111,7 @@ def _generate_batch(model, tokenizer, convs: list[dict], idx: list[int], setting
   model.eval()
   msgs = [copy.deepcopy(c["messages"]) for c in convs]
   turns = [[j for j, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
-  stop = _stop_ids(model, tokenizer)
+  stop = eos_token_ids(model, tokenizer, required=True)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
   device = next(model.parameters()).device
   for t in range(max(map(len, turns))):
@@ -153,16 +155,6 @@ def _finish(messages: list[dict], cid: str) -> list[dict]:
   if not messages:
     log.warning("regenerate: conversation %s lost all its turns to max_prompt_tokens", cid)
   return messages
-
-
-def _stop_ids(model, tokenizer) -> set[int]:
-  stop = set()
-  for ids in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-    stop.update([ids] if isinstance(ids, int) else (ids or []))
-  if not stop:
-    raise ValueError(f"neither the target's generation_config nor tokenizer {tokenizer.name_or_path} "
-                     f"names an eos token; set tokenizer.eos_token to the end-of-turn token")
-  return stop
 
 
 def _key(conv: dict, fingerprint: str, settings: dict) -> str:

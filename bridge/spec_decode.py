@@ -18,6 +18,7 @@ from typing import Protocol, Sequence
 import torch
 
 from bridge.target import Target, TargetError
+from bridge.target import eos_token_ids as target_eos_ids
 
 
 class Proposer(Protocol):
@@ -215,13 +216,5 @@ def target_generate(decoder: TargetDecoder, prompt_ids: Sequence[int], *, max_ne
 
 
 def eos_token_ids(target: Target) -> set[int]:
-  """The tokenizer's eos plus the generation config's (which may be a list)."""
-  ids = set()
-  tok_eos = getattr(target.tokenizer, "eos_token_id", None)
-  gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-  for e in (tok_eos, gen_eos):
-    if isinstance(e, int):
-      ids.add(e)
-    elif e is not None:
-      ids.update(int(x) for x in e)
-  return ids
+  """The target's end-of-sequence ids (bridge.target.eos_token_ids)."""
+  return target_eos_ids(target.model, target.tokenizer)

@@ -140,6 +140,23 @@ class Target:
     return feats[0].unsqueeze(0) if len(feats) == 1 else torch.stack(feats)
 
 
+def eos_token_ids(model, tokenizer, *, required: bool = False) -> set[int]:
+  """The tokenizer's eos plus the generation config's (which may be a list). required: raise
+  when neither names one (generation would otherwise only stop at its token limit)."""
+  ids = set()
+  gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+  for e in (getattr(tokenizer, "eos_token_id", None), gen_eos):
+    if isinstance(e, int):
+      ids.add(e)
+    elif e is not None:
+      ids.update(int(x) for x in e)
+  if required and not ids:
+    raise ValueError(f"neither the target's generation_config nor tokenizer "
+                     f"{getattr(tokenizer, 'name_or_path', '')} names an eos token; set "
+                     "tokenizer.eos_token to the end-of-turn token")
+  return ids
+
+
 def _decoder_layers(model):
   inner = getattr(model, "model", None)
   layers = getattr(inner, "layers", None)

@@ -32,7 +32,7 @@ ROW_KEYS = ("input_ids", "loss_mask", "doc_id", "position_ids")
 PAD_DOC_ID = -1
 PACK_MODES = ("truncate", "split")
 _CACHE_VERSION = 1
-_ROLES = {
+ROLES = {  # ShareGPT / chat roles -> chat-template roles (also used for --prompts files)
     "system": "system",
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -171,10 +171,10 @@ def _normalise(record, where: str, fallback_id: str) -> dict | None:
     text_key = "value" if isinstance(turn, dict) and "value" in turn else "content"
     if not isinstance(turn, dict) or role_key not in turn:
       raise DataError(f"{where}: {field}[{j}] has no 'from'/'role' field; every turn needs one")
-    role = _ROLES.get(str(turn[role_key]).lower())
+    role = ROLES.get(str(turn[role_key]).lower())
     if role is None:
       raise DataError(f"{where}: {field}[{j}].{role_key} is the unknown role {turn[role_key]!r}; "
-                      f"use one of {sorted(_ROLES)} or drop the turn")
+                      f"use one of {sorted(ROLES)} or drop the turn")
     content = turn.get(text_key)
     if not isinstance(content, str):
       raise DataError(f"{where}: {field}[{j}].{text_key} is {type(content).__name__}, "

@@ -31,10 +31,6 @@ from jax_drafter.inference import DrafterSession
 
 log = logging.getLogger(__name__)
 
-_PROMPT_ROLES = {"system": "system", "user": "user", "human": "user",
-                 "assistant": "assistant", "gpt": "assistant"}
-
-
 class EvaluationError(ValueError):
   """Bad evaluation input (checkpoint/target mismatch, prompts, options): a one-line fix."""
 
@@ -87,7 +83,7 @@ def load_prompts(path: str) -> list[list[dict]]:
           msgs = [{"role": "user", "content": rec["prompt"]}]
         else:
           turns = rec.get("messages", rec.get("conversations"))
-          msgs = [{"role": _PROMPT_ROLES[str(t.get("role", t.get("from"))).lower()],
+          msgs = [{"role": data_lib.ROLES[str(t.get("role", t.get("from"))).lower()],
                    "content": t.get("content", t.get("value"))} for t in turns]
         prompts.append(prompt_messages(msgs))
       except (json.JSONDecodeError, AttributeError, KeyError, TypeError, EvaluationError) as e:
