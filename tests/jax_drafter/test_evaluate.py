@@ -240,13 +240,20 @@ def test_temperature_sampling_end_to_end(tiny_target):
 
 def test_sampling_proposal_is_a_distribution():
   cfg, graphdef, params = tiny_drafter()
-  embed = jnp.ones((VOCAB, cfg.hidden_size)) * 0.1
-  s = DrafterSession(cfg, graphdef, params, embed, embed, temperature=0.7)
+  rng = np.random.default_rng(4)
+  embed = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  lm_head = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  s = DrafterSession(cfg, graphdef, params, embed, lm_head, temperature=0.7)
   s.reset(16)
-  s.extend(jnp.ones((5, 2 * cfg.hidden_size)))
+  s.extend(jnp.asarray(rng.normal(size=(5, 2 * cfg.hidden_size)), jnp.float32))
   ids, probs = s.propose(1, jax.random.key(3))
   assert ids.shape == (3,) and probs.shape == (3, VOCAB)
-  np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+  # The proposal distribution is softmax(h @ W^T / T) of the block's hidden states (offsets 1..).
+  logits = np.asarray(s.block_hidden(1))[1:] @ np.asarray(lm_head).T / 0.7
+  want = np.exp(logits - logits.max(-1, keepdims=True))
+  want /= want.sum(-1, keepdims=True)
+  np.testing.assert_allclose(probs, want, atol=1e-5)
+  assert np.all((0 <= ids) & (ids < VOCAB))
 
 
 # ---- bad input -----------------------------------------------------------------------------------
