@@ -25,8 +25,6 @@ import numpy as np
 from flax import nnx
 
 from jax_drafter.config import DrafterConfig
-from jax_drafter.model import rope
-from pallas_kernels.dflash_attention.api import dflash_attention
 
 
 class ContextCache(NamedTuple):
@@ -39,28 +37,26 @@ def bucket(n: int, minimum: int = 64) -> int:
   return 1 << max(int(math.ceil(math.log2(max(n, 1)))), int(math.log2(minimum)))
 
 
-def _extend(graphdef, params, cache: ContextCache, n, feats_CxF, *, theta: float) -> ContextCache:
+def _extend(graphdef, params, cache: ContextCache, n, feats_CxF) -> ContextCache:
   """Write the context K/V of C feature rows at positions n..n+C-1 (rows past the count are junk
   that a later call overwrites; the mask never shows them)."""
   model = nnx.merge(graphdef, params)
   C = feats_CxF.shape[0]
   ctx = model.hidden_norm(model.fc(feats_CxF[None].astype(model.compute_dtype)))  # [1, C, D]
   pos = (n + jnp.arange(C, dtype=jnp.int32))[None]
-  ks, vs = [], []
-  for layer in model.layers:
-    a = layer.self_attn
-    _, Hkv, Dh = a.shape
-    ks.append(rope(a.k_norm(a.k_proj(ctx).reshape(1, C, Hkv, Dh)), pos, theta)[0])
-    vs.append(a.v_proj(ctx).reshape(C, Hkv, Dh))
+  kv = [layer.self_attn.context_kv(ctx, pos) for layer in model.layers]
   at = (0, n, 0, 0)
-  k = jax.lax.dynamic_update_slice(cache.k_LxMxHkvxDh, jnp.stack(ks).astype(cache.k_LxMxHkvxDh.dtype), at)
-  v = jax.lax.dynamic_update_slice(cache.v_LxMxHkvxDh, jnp.stack(vs).astype(cache.v_LxMxHkvxDh.dtype), at)
+  k = jax.lax.dynamic_update_slice(
+      cache.k_LxMxHkvxDh, jnp.stack([k[0] for k, _ in kv]).astype(cache.k_LxMxHkvxDh.dtype), at)
+  v = jax.lax.dynamic_update_slice(
+      cache.v_LxMxHkvxDh, jnp.stack([v[0] for _, v in kv]).astype(cache.v_LxMxHkvxDh.dtype), at)
   return ContextCache(k, v)
 
 
 def _block_hidden(graphdef, params, cache: ContextCache, n, noise_ids_K, embed_VxD, *,
-                  theta: float, attn_impl: dict):
-  """Final-normed hidden states [K, D] of the block noise_ids_K at positions n..n+K-1."""
+                  attn_impl: dict):
+  """Final-normed hidden states [K, D] of the block noise_ids_K at positions n..n+K-1: the
+  training layers (model.DecoderLayer.with_context_kv) over the cached context K/V."""
   model = nnx.merge(graphdef, params)
   K = noise_ids_K.shape[0]
   x = jnp.take(embed_VxD, noise_ids_K, axis=0)[None].astype(model.compute_dtype)  # [1, K, D]
@@ -69,26 +65,15 @@ def _block_hidden(graphdef, params, cache: ContextCache, n, noise_ids_K, embed_V
   doc_start = jnp.zeros((1, 1), jnp.int32)
   valid = jnp.ones((1, 1), bool)
   for i, layer in enumerate(model.layers):
-    a = layer.self_attn
-    Hq, Hkv, Dh = a.shape
-    h = layer.input_layernorm(x)
-    # The same projections as model.Attention, with the context K/V read from the cache.
-    q = rope(a.q_norm(a.q_proj(h).reshape(1, K, Hq, Dh)), pos, theta)
-    k_blk = rope(a.k_norm(a.k_proj(h).reshape(1, K, Hkv, Dh)), pos, theta)
-    v_blk = a.v_proj(h).reshape(1, K, Hkv, Dh)
-    o = dflash_attention(q, cache.k_LxMxHkvxDh[i][None], cache.v_LxMxHkvxDh[i][None], k_blk, v_blk,
-                         anchors, doc_start, valid, block_size=K, window=a.window,
-                         scale=Dh ** -0.5, **attn_impl)
-    x = x + a.o_proj(o.reshape(1, K, Hq * Dh))
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = layer.with_context_kv(x, cache.k_LxMxHkvxDh[i][None], cache.v_LxMxHkvxDh[i][None], pos,
+                              anchors, doc_start, valid, attn_impl, block_size=K)
   return model.norm(x)[0]
 
 
 def _propose(graphdef, params, cache, n, noise_ids_K, embed_VxD, lm_head_VxD, key, *,
-             theta: float, attn_impl: dict, temperature: float):
+             attn_impl: dict, temperature: float):
   """-> (draft ids int32 [K-1], draft probabilities f32 [K-1, V] or None when greedy)."""
-  h = _block_hidden(graphdef, params, cache, n, noise_ids_K, embed_VxD, theta=theta,
-                    attn_impl=attn_impl)[1:]
+  h = _block_hidden(graphdef, params, cache, n, noise_ids_K, embed_VxD, attn_impl=attn_impl)[1:]
   cd = h.dtype
   # Same numerics as objective.chunked_cross_entropy: compute dtype in, f32 accumulation.
   logits = jnp.matmul(h, lm_head_VxD.astype(cd).T, preferred_element_type=jnp.float32)
@@ -100,15 +85,15 @@ def _propose(graphdef, params, cache, n, noise_ids_K, embed_VxD, lm_head_VxD, ke
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(graphdef, theta: float, impl: tuple, temperature: float):
+def _compiled(graphdef, impl: tuple, temperature: float):
   """Jitted (extend, block_hidden, propose), shared by sessions of one architecture: evaluating
   again (every M training steps) reuses the compiled code instead of tracing anew."""
   attn_impl = dict(impl)
   # The cache is donated: each extend writes C rows in place instead of copying [L, M, Hkv, Dh]
   # twice (K and V). It is created by JAX here, never a DLPack import, so donation is safe.
-  return (jax.jit(functools.partial(_extend, graphdef, theta=theta), donate_argnums=(1,)),
-          jax.jit(functools.partial(_block_hidden, graphdef, theta=theta, attn_impl=attn_impl)),
-          jax.jit(functools.partial(_propose, graphdef, theta=theta, attn_impl=attn_impl,
+  return (jax.jit(functools.partial(_extend, graphdef), donate_argnums=(1,)),
+          jax.jit(functools.partial(_block_hidden, graphdef, attn_impl=attn_impl)),
+          jax.jit(functools.partial(_propose, graphdef, attn_impl=attn_impl,
                                     temperature=temperature)))
 
 
@@ -135,8 +120,7 @@ class DrafterSession:
     self._dtype = model.compute_dtype
     # The inference block is one block over a short context: the dense-mask XLA path is cheap.
     impl = tuple(sorted((attn_impl or {"implementation": "xla"}).items()))
-    self._extend, self._hidden, self._propose = _compiled(graphdef, float(cfg.rope_theta), impl,
-                                                          self.temperature)
+    self._extend, self._hidden, self._propose = _compiled(graphdef, impl, self.temperature)
     self.cache: ContextCache | None = None
     self.length = 0
 

@@ -72,24 +72,35 @@ class Attention(nnx.Module):
     self.block_size = cfg.block_size
     self.theta = cfg.rope_theta
 
-  def __call__(self, x_BxQxD, ctx_BxSxD, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN, doc_start_BxN,
-               block_valid_BxN, attn_impl):
-    Hq, Hkv, Dh = self.shape
-    B, Q, _ = x_BxQxD.shape
-    S = ctx_BxSxD.shape[1]
-    q = self.q_norm(self.q_proj(x_BxQxD).reshape(B, Q, Hq, Dh))
-    # Context and block K/V come from the same projections and are never concatenated.
+  def context_kv(self, ctx_BxSxD, ctx_pos_BxS):
+    """Context K (normed, RoPE at the context positions) and V, [B, S, Hkv, Dh] each. The
+    inference session caches these per position."""
+    _, Hkv, Dh = self.shape
+    B, S, _ = ctx_BxSxD.shape
     k_ctx = self.k_norm(self.k_proj(ctx_BxSxD).reshape(B, S, Hkv, Dh))
     v_ctx = self.v_proj(ctx_BxSxD).reshape(B, S, Hkv, Dh)
-    k_blk = self.k_norm(self.k_proj(x_BxQxD).reshape(B, Q, Hkv, Dh))
+    return rope(k_ctx, ctx_pos_BxS, self.theta), v_ctx
+
+  def attend(self, x_BxQxD, k_ctx, v_ctx, blk_pos_BxQ, anchors_BxN, doc_start_BxN,
+             block_valid_BxN, attn_impl, block_size: int | None = None):
+    """The blocks' queries over the given context K/V and their own block K/V, then o_proj.
+    block_size: the blocks' size if not the trained one (inference may propose fewer tokens)."""
+    Hq, Hkv, Dh = self.shape
+    B, Q, _ = x_BxQxD.shape
+    # Context and block K/V come from the same projections and are never concatenated.
+    q = rope(self.q_norm(self.q_proj(x_BxQxD).reshape(B, Q, Hq, Dh)), blk_pos_BxQ, self.theta)
+    k_blk = rope(self.k_norm(self.k_proj(x_BxQxD).reshape(B, Q, Hkv, Dh)), blk_pos_BxQ, self.theta)
     v_blk = self.v_proj(x_BxQxD).reshape(B, Q, Hkv, Dh)
-    q = rope(q, blk_pos_BxQ, self.theta)
-    k_ctx = rope(k_ctx, ctx_pos_BxS, self.theta)
-    k_blk = rope(k_blk, blk_pos_BxQ, self.theta)
     o = dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors_BxN, doc_start_BxN,
-                         block_valid_BxN, block_size=self.block_size, window=self.window,
-                         scale=Dh ** -0.5, **attn_impl)
+                         block_valid_BxN, block_size=block_size or self.block_size,
+                         window=self.window, scale=Dh ** -0.5, **attn_impl)
     return self.o_proj(o.reshape(B, Q, Hq * Dh))
+
+  def __call__(self, x_BxQxD, ctx_BxSxD, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN, doc_start_BxN,
+               block_valid_BxN, attn_impl):
+    k_ctx, v_ctx = self.context_kv(ctx_BxSxD, ctx_pos_BxS)
+    return self.attend(x_BxQxD, k_ctx, v_ctx, blk_pos_BxQ, anchors_BxN, doc_start_BxN,
+                       block_valid_BxN, attn_impl)
 
 
 class MLP(nnx.Module):
@@ -111,8 +122,15 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs, compute_dtype=compute_dtype)
 
   def __call__(self, x, ctx, ctx_pos, blk_pos, anchors, doc_start, block_valid, attn_impl):
-    h = x + self.self_attn(self.input_layernorm(x), ctx, ctx_pos, blk_pos, anchors, doc_start,
-                           block_valid, attn_impl)
+    k_ctx, v_ctx = self.self_attn.context_kv(ctx, ctx_pos)
+    return self.with_context_kv(x, k_ctx, v_ctx, blk_pos, anchors, doc_start, block_valid,
+                                attn_impl)
+
+  def with_context_kv(self, x, k_ctx, v_ctx, blk_pos, anchors, doc_start, block_valid, attn_impl,
+                      block_size: int | None = None):
+    """The layer given its context K/V (Attention.context_kv): training and inference share it."""
+    h = x + self.self_attn.attend(self.input_layernorm(x), k_ctx, v_ctx, blk_pos, anchors,
+                                  doc_start, block_valid, attn_impl, block_size)
     return h + self.mlp(self.post_attention_layernorm(h))
 
 
