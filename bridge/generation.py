@@ -258,18 +258,52 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
                   stats: GenerationStats | None = None,
                   on_batch: Callable[[int, int], None] | None = None
                   ) -> Iterator[tuple[int, list[int]]]:
-  """Yields (prompt index, new tokens) batch by batch (longest prompts first)."""
+  """Yields (prompt index, new tokens) batch by batch (longest prompts first). Targets with
+  sliding-window or linear-attention layers go through transformers' `generate` instead."""
   stats = stats if stats is not None else GenerationStats()
-  if not supports_static_decoding(model):
-    raise NotImplementedError(f"{type(model).__name__} has sliding-window or non-attention layers; "
-                              "static-cache decoding supports full-attention decoders only")
-  with _folded_attention(model):
+  static = supports_static_decoding(model)
+  if not static:
+    log.warning("%s has sliding-window or non-attention layers: decoding with transformers' "
+                "generate (slower than the static-cache path)", type(model).__name__)
+  with _folded_attention(model) if static else contextlib.nullcontext():
     for idx in plan_batches([len(p) for p in prompts], max_new_tokens=max_new_tokens,
                             max_rows=max_rows, max_tokens=max_tokens):
       before = stats.tokens
-      outs = generate_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                            stop_ids=stop_ids, pad_id=pad_id, temperature=temperature,
-                            generator=generator, cuda_graph=cuda_graph, stats=stats)
+      run = generate_batch if static else _generate_batch_hf
+      outs = run(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                 stop_ids=stop_ids, pad_id=pad_id, temperature=temperature, generator=generator,
+                 cuda_graph=cuda_graph, stats=stats)
       if on_batch is not None:
         on_batch(len(idx), stats.tokens - before)
       yield from zip(idx, outs)
+
+
+@torch.inference_mode()
+def _generate_batch_hf(model, prompts, *, max_new_tokens, stop_ids, pad_id, temperature=0.0,
+                       generator=None, cuda_graph=None, stats=None):
+  """transformers' generate with left padding (any cache type); same output contract."""
+  dev = next(model.parameters()).device
+  P = max(map(len, prompts))
+  ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+  mask = torch.zeros_like(ids)
+  for b, p in enumerate(prompts):
+    ids[b, P - len(p):] = torch.as_tensor(list(p))
+    mask[b, P - len(p):] = 1
+  if generator is not None and temperature > 0:  # generate() takes no generator: seed from it
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
+                                        device=generator.device)))
+  sample = temperature > 0
+  gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                       max_new_tokens=max_new_tokens, do_sample=sample,
+                       temperature=temperature if sample else None, top_k=0 if sample else None,
+                       top_p=1.0 if sample else None, pad_token_id=pad_id,
+                       eos_token_id=sorted(stop_ids))
+  results = []
+  for row in gen[:, P:].tolist():
+    cut = next((n + 1 for n, tok in enumerate(row) if tok in stop_ids), len(row))
+    results.append(row[:cut])
+  if stats is not None:
+    stats.prompts += len(prompts)
+    stats.tokens += sum(map(len, results))
+    stats.batches += 1
+  return results

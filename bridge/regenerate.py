@@ -1,12 +1,19 @@
 """Regenerate the assistant turns of conversations with the frozen target (DESIGN data flow step 1).
 
-DFlash trains the drafter on the target's own outputs: each assistant turn is replaced by what the
-target generates given the conversation up to that turn (earlier turns already regenerated). Results
-are cached as JSONL, one line per finished conversation, appended and flushed as soon as it is done:
-a second run reuses them and an interrupted run resumes where it stopped.
+DFlash trains the drafter on the target's own outputs. Each assistant turn is replaced by what the
+target generates given the conversation up to that turn (earlier turns already regenerated), and
+the result keeps the target's generated TOKEN IDS: decoding to text and encoding again is not the
+identity (SmolLM2's greedy "\\n\\n" is one token, 1116, that re-encodes as two "\\n", 198), and one
+shifted token puts every later label of the turn off by one.
 
-Plugs into `jax_drafter.data.build_dataset(regenerate=..., regenerate_key=...)` through
-`make_regenerator`.
+A record is {"key", "id", "target", "messages", "input_ids", "assistant_spans"}: the whole
+conversation as ids (template text tokenised segment by segment, generated ids verbatim) and the
+[start, end) id ranges the target generated (the loss mask; the stop token is inside). `messages`
+holds the decoded text for people and for prompts. Records are appended to a JSONL cache, one line
+per finished conversation, flushed at once: a second run reuses them, an interrupted run (Ctrl-C,
+kill -9) resumes without duplicates (a torn last line is cut off before appending).
+
+Generation runs through `bridge.generation` (static KV cache, length-sorted batches).
 """
 
 from __future__ import annotations
@@ -16,15 +23,39 @@ import hashlib
 import json
 import logging
 import os
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
+from bridge import generation
 from bridge.target import eos_token_ids
 
 log = logging.getLogger(__name__)
+
+
+class RegenerationError(ValueError):
+  """A target or data problem a person can fix: one line naming it and the fix."""
+
+
+@dataclass(frozen=True)
+class Settings:
+  """What a regeneration depends on besides the target and the conversation (part of the key)."""
+  max_new_tokens: int = 256
+  temperature: float = 0.0         # 0 = greedy
+  seed: int = 0
+  max_prompt_tokens: int | None = None   # a turn whose prompt is this long ends the conversation
+  max_turns: int | None = None     # assistant turns regenerated per conversation (None = all)
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+    if self.max_turns is not None and self.max_turns < 1:
+      raise ValueError(f"max_turns={self.max_turns} must be >= 1 (or None for all turns)")
 
 
 def target_fingerprint(model, tokenizer) -> str:
@@ -32,6 +63,7 @@ def target_fingerprint(model, tokenizer) -> str:
   h = hashlib.sha256()
   config = model.config.to_dict()
   config.pop("transformers_version", None)
+  config.pop("_attn_implementation_autoset", None)
   h.update(json.dumps(config, sort_keys=True, default=str).encode())
   h.update(f"{len(tokenizer)}|{tokenizer.chat_template}".encode())
   for name, p in model.named_parameters():
@@ -40,129 +72,200 @@ def target_fingerprint(model, tokenizer) -> str:
   return h.hexdigest()[:16]
 
 
-def generation_settings(*, max_new_tokens: int, temperature: float, seed: int,
-                        max_prompt_tokens: int | None) -> dict:
-  return {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "seed": seed,
-          "max_prompt_tokens": max_prompt_tokens}
+def regenerate_key(fingerprint: str, settings: Settings) -> str:
+  """Names a regeneration (target + settings) for the data cache."""
+  return f"{fingerprint}:{json.dumps(asdict(settings), sort_keys=True)}"
 
 
-def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], *, max_new_tokens: int,
-                             temperature: float = 0.0, cache_path: str | os.PathLike | None,
-                             seed: int = 0, batch_size: int = 8, max_prompt_tokens: int | None = None,
-                             progress: bool = True) -> list[dict]:
-  """-> the conversations ({"id", "messages"}) with every assistant turn written by `model`.
+@dataclass
+class _Conv:
+  """A conversation in progress: ids so far, the text they render, the turns left."""
+  index: int
+  messages: list[dict]
+  turns: list[int]            # indices of the assistant messages still to generate, in order
+  ids: list[int]
+  spans: list[list[int]]
+  rendered: str = ""
 
-  Greedy when temperature == 0 (sampled outputs depend on the batch composition). Conversations are
-  batched with left padding, turn by turn. A turn whose prompt has max_prompt_tokens or more tokens
-  ends the conversation there (the data pipeline truncates at seq_len anyway, so pass seq_len).
-  Generated text is cut at the first end-of-turn/eos token and decoded with special tokens kept.
-  """
-  if max_new_tokens < 1:
-    raise ValueError(f"{max_new_tokens=} must be >= 1")
-  if temperature < 0:
-    raise ValueError(f"{temperature=} must be >= 0 (0 = greedy)")
-  settings = generation_settings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                 max_prompt_tokens=max_prompt_tokens)
+
+def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], settings: Settings, *,
+                             cache_path: str | os.PathLike | None, batch_rows: int = 256,
+                             batch_tokens: int = 1 << 19, cuda_graph: bool | None = None,
+                             progress: bool = True, stats: dict | None = None) -> list[dict]:
+  """-> a record (module docstring) per conversation that kept at least one generated turn, in
+  input order. Conversations whose first prompt has max_prompt_tokens or more tokens are skipped
+  and counted in `stats` (not fatal)."""
+  _check_target(tokenizer)
+  stop = eos_token_ids(model, tokenizer, required=True)
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
   fingerprint = target_fingerprint(model, tokenizer)
   keys = [_key(c, fingerprint, settings) for c in conversations]
   cache = _read_cache(Path(cache_path)) if cache_path is not None else {}
   todo = [i for i, k in enumerate(keys) if k not in cache]
+  counts = stats if stats is not None else {}
+  counts.update(conversations=len(conversations), cached=len(conversations) - len(todo),
+                skipped_long_prompt=0, cut_turns=0, generated_tokens=0, seconds=0.0)
   log.info("regenerate: %d conversations, %d cached, %d to generate (target %s)",
-           len(conversations), len(conversations) - len(todo), len(todo), fingerprint)
-  bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), unit="conv",
-             desc="regenerate", disable=not progress)
-  out = {i: {"id": conversations[i]["id"], "messages": cache[k]} for i, k in enumerate(keys) if k in cache}
-  sink = None
-  if cache_path is not None and todo:
-    Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
-    sink = open(cache_path, "a", encoding="utf-8")
+           len(conversations), counts["cached"], len(todo), fingerprint)
+  out = {i: cache[k] for i, k in enumerate(keys) if k in cache}
+  sink = _open_sink(Path(cache_path)) if cache_path is not None and todo else None
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm
+    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", dynamic_ncols=True)
+  gstats = generation.GenerationStats()
+  t0 = time.perf_counter()
+  gen = torch.Generator(device=next(model.parameters()).device).manual_seed(settings.seed)
+
+  def finish(c: _Conv):
+    if c.spans:
+      rec = {"key": keys[c.index], "id": conversations[c.index]["id"], "target": fingerprint,
+             "messages": c.messages[:_last_turn(c) + 1], "input_ids": c.ids,
+             "assistant_spans": c.spans}
+      out[c.index] = rec
+      if sink is not None:
+        sink.write(json.dumps(rec) + "\n")
+        sink.flush()
+    else:
+      counts["skipped_long_prompt"] += 1
+    if bar is not None:
+      elapsed = time.perf_counter() - t0
+      bar.update(1)
+      bar.set_postfix(tok_s=f"{gstats.tokens / max(elapsed, 1e-9):.0f}", refresh=False)
+
+  def on_batch(rows, tokens):
+    if bar is not None:
+      bar.set_postfix(tok_s=f"{gstats.tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+
   try:
-    for start in range(0, len(todo), batch_size):
-      idx = todo[start:start + batch_size]
-      if temperature > 0:
-        torch.manual_seed(int(keys[idx[0]][:8], 16) ^ seed)
-      for i, messages in _generate_batch(model, tokenizer, [conversations[i] for i in idx], idx,
-                                         settings):
-        out[i] = {"id": conversations[i]["id"], "messages": messages}
-        if sink is not None:
-          sink.write(json.dumps({"key": keys[i], **out[i]}) + "\n")
-          sink.flush()
-        bar.update(1)
-        bar.set_postfix(generated=len(out) - (len(conversations) - len(todo)), refresh=False)
+    live = [_start(i, conversations[i], settings) for i in todo]
+    while live:
+      prompts, waiting = [], []
+      for c in live:
+        p = _next_prompt(tokenizer, c, settings)
+        if p is None:
+          finish(c)
+        else:
+          prompts.append(p)
+          waiting.append(c)
+      nxt = []
+      results = generation.generate_many(
+          model, [p[0] for p in prompts], max_new_tokens=settings.max_new_tokens, stop_ids=stop,
+          pad_id=pad, max_rows=batch_rows, max_tokens=batch_tokens,
+          temperature=settings.temperature, generator=gen, cuda_graph=cuda_graph, stats=gstats,
+          on_batch=on_batch)
+      for k, new in results:
+        c, (prompt_ids, segment_text) = waiting[k], prompts[k]
+        if _add_turn(tokenizer, c, prompt_ids, segment_text, new, stop):
+          nxt.append(c)
+        else:
+          counts["cut_turns"] += len(c.turns)
+          finish(c)
+      live = nxt
   finally:
     if sink is not None:
       sink.close()
-    bar.close()
-  return [out[i] for i in range(len(conversations))]
+    if bar is not None:
+      bar.close()
+    counts.update(generated_tokens=gstats.tokens, seconds=time.perf_counter() - t0,
+                  decode_steps=gstats.decode_steps, batches=gstats.batches,
+                  cuda_graph=gstats.cuda_graph)
+  if gstats.tokens:
+    log.info("regenerate: %d tokens in %.1f s (%.0f generated tokens/s, %d batches, cuda graph %s)",
+             gstats.tokens, counts["seconds"], gstats.tokens / max(counts["seconds"], 1e-9),
+             gstats.batches, gstats.cuda_graph)
+  if counts["skipped_long_prompt"]:
+    log.warning("regenerate: skipped %d conversations whose first prompt has %s or more tokens",
+                counts["skipped_long_prompt"], settings.max_prompt_tokens)
+  return [out[i] for i in range(len(conversations)) if i in out]
 
 
-def make_regenerator(model, tokenizer, **kwargs) -> tuple[Callable[[list[dict]], list[dict]], str]:
-  """-> (fn, key) for `build_dataset(regenerate=fn, regenerate_key=key)`; kwargs as regenerate_conversations."""
-  settings = generation_settings(max_new_tokens=kwargs["max_new_tokens"],
-                                 temperature=kwargs.get("temperature", 0.0), seed=kwargs.get("seed", 0),
-                                 max_prompt_tokens=kwargs.get("max_prompt_tokens"))
-  key = f"{target_fingerprint(model, tokenizer)}:{json.dumps(settings, sort_keys=True)}"
-  return (lambda convs: regenerate_conversations(model, tokenizer, convs, **kwargs)), key
+def _start(index: int, conv: dict, settings: Settings) -> _Conv:
+  messages = copy.deepcopy(conv["messages"])
+  turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+  return _Conv(index, messages, turns[:settings.max_turns], [], [])
 
 
-@torch.inference_mode()
-def _generate_batch(model, tokenizer, convs: list[dict], idx: list[int], settings: dict):
-  """Yields (index, regenerated messages) as each conversation of the batch finishes."""
-  model.eval()
-  msgs = [copy.deepcopy(c["messages"]) for c in convs]
-  turns = [[j for j, m in enumerate(ms) if m["role"] == "assistant"] for ms in msgs]
-  stop = eos_token_ids(model, tokenizer, required=True)
-  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
-  device = next(model.parameters()).device
-  for t in range(max(map(len, turns))):
-    active = [b for b in range(len(convs)) if t < len(turns[b])]
-    if not active:
-      break
-    prompts = [tokenizer.apply_chat_template(msgs[b][:turns[b][t]], tokenize=False,
-                                             add_generation_prompt=True) for b in active]
-    enc = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    limit = settings["max_prompt_tokens"]
-    keep = [k for k, seq in enumerate(enc) if limit is None or len(seq) < limit]
-    for k in range(len(active)):
-      if k not in keep:  # prompt too long: the conversation ends before this turn
-        b = active[k]
-        msgs[b], turns[b] = msgs[b][:turns[b][t]], turns[b][:t]
-    if keep:
-      width = max(len(enc[k]) for k in keep)
-      ids = torch.full((len(keep), width), pad, dtype=torch.long)
-      mask = torch.zeros((len(keep), width), dtype=torch.long)
-      for row, k in enumerate(keep):  # left padding: every prompt ends where generation starts
-        ids[row, width - len(enc[k]):] = torch.tensor(enc[k])
-        mask[row, width - len(enc[k]):] = 1
-      ids, mask = ids.to(device), mask.to(device)
-      sample = settings["temperature"] > 0
-      gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings["max_new_tokens"],
-                           do_sample=sample, temperature=settings["temperature"] if sample else None,
-                           top_k=0 if sample else None, top_p=1.0 if sample else None,
-                           pad_token_id=pad, eos_token_id=sorted(stop))
-      for k, seq in zip(keep, gen[:, ids.shape[1]:].tolist()):
-        cut = next((n for n, tok in enumerate(seq) if tok in stop), len(seq))
-        b = active[k]
-        msgs[b][turns[b][t]]["content"] = tokenizer.decode(seq[:cut], skip_special_tokens=False)
-    for b in active:
-      if len(turns[b]) <= t + 1:  # its last turn is done (or it was cut before this one)
-        yield idx[b], _finish(msgs[b], convs[b]["id"])
+def _last_turn(c: _Conv) -> int:
+  """Index of the last assistant message that was regenerated."""
+  done = [j for j, m in enumerate(c.messages) if m["role"] == "assistant"][:len(c.spans)]
+  return done[-1]
 
 
-def _finish(messages: list[dict], cid: str) -> list[dict]:
-  while messages and messages[-1]["role"] != "assistant":
-    messages.pop()
-  if not messages:
-    log.warning("regenerate: conversation %s lost all its turns to max_prompt_tokens", cid)
-  return messages
+def _next_prompt(tokenizer, c: _Conv, settings: Settings):
+  """-> (prompt ids, text of the new template segment) for the next turn, or None when done."""
+  if not c.turns:
+    return None
+  text = tokenizer.apply_chat_template(c.messages[:c.turns[0]], tokenize=False,
+                                       add_generation_prompt=True)
+  if not text.startswith(c.rendered):   # the template re-renders earlier turns differently
+    return None
+  segment = text[len(c.rendered):]
+  # Template text is tokenised per segment; each segment starts right after a special token (the
+  # previous turn's end-of-turn), so BPE never merges across the cut.
+  ids = c.ids + list(tokenizer(segment, add_special_tokens=False)["input_ids"])
+  if settings.max_prompt_tokens is not None and len(ids) >= settings.max_prompt_tokens:
+    return None
+  return ids, text
 
 
-def _key(conv: dict, fingerprint: str, settings: dict) -> str:
-  blob = json.dumps([conv["id"], conv["messages"], fingerprint, settings], sort_keys=True)
+def _add_turn(tokenizer, c: _Conv, prompt_ids, text, new: list[int], stop: set[int]) -> bool:
+  """Append a generated turn (exact ids). -> whether the conversation can continue."""
+  j = c.turns.pop(0)
+  ended = bool(new) and new[-1] in stop
+  content = tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
+  c.messages[j] = {**c.messages[j], "content": content}
+  c.spans.append([len(prompt_ids), len(prompt_ids) + len(new)])
+  c.ids = list(prompt_ids) + list(new)
+  if not c.turns or not ended:  # a turn cut at max_new_tokens: what follows would be off-policy
+    c.turns = []
+    return False
+  # The text these ids render: the prompt's text, the content, then the stop token as text.
+  c.rendered = text + content + tokenizer.decode(new[-1:], skip_special_tokens=False)
+  full = tokenizer.apply_chat_template(c.messages[:j + 1], tokenize=False)
+  if not full.startswith(c.rendered):  # e.g. a template that strips or rewrites assistant turns
+    c.turns = []
+    return False
+  return True
+
+
+def _check_target(tokenizer) -> None:
+  if not getattr(tokenizer, "chat_template", None):
+    name = getattr(tokenizer, "name_or_path", "the target")
+    raise RegenerationError(f"tokenizer of {name} has no chat template, so prompts cannot be "
+                            "rendered; use the chat/instruct variant of the target or set "
+                            "tokenizer.chat_template")
+
+
+def make_regenerator(model, tokenizer, settings: Settings, **kwargs
+                     ) -> tuple[Callable[[list[dict]], list[dict]], str]:
+  """-> (fn, key) for `build_dataset(regenerate=fn, regenerate_key=key)`; kwargs as
+  regenerate_conversations (cache_path, batch_rows, ...)."""
+  key = regenerate_key(target_fingerprint(model, tokenizer), settings)
+  return (lambda convs: regenerate_conversations(model, tokenizer, convs, settings, **kwargs)), key
+
+
+def _key(conv: dict, fingerprint: str, settings: Settings) -> str:
+  blob = json.dumps([conv["id"], conv["messages"], fingerprint, asdict(settings)], sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _read_cache(path: Path) -> dict[str, list[dict]]:
+def _open_sink(path: Path):
+  """Append mode, after cutting a torn last line (kill -9 mid-write) so the next record starts
+  on a line of its own."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if path.is_file() and path.stat().st_size:
+    with open(path, "rb+") as f:
+      data = f.read()
+      if not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log.warning("regenerate: %s ends in an incomplete line (interrupted write); removing its "
+                    "%d bytes", path, len(data) - cut)
+        f.truncate(cut)
+  return open(path, "a", encoding="utf-8")
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
   cache = {}
   if not path.is_file():
     return cache
@@ -170,7 +273,9 @@ def _read_cache(path: Path) -> dict[str, list[dict]]:
     for n, line in enumerate(f, 1):
       try:
         record = json.loads(line)
-        cache[record["key"]] = record["messages"]
+        cache[record["key"]] = {k: record[k] for k in ("key", "id", "target", "messages",
+                                                       "input_ids", "assistant_spans")}
       except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by an interrupted run
-        log.warning("regenerate: %s line %d is incomplete; that conversation is generated again", path, n)
+        log.warning("regenerate: %s line %d is incomplete; that conversation is generated again",
+                    path, n)
   return cache

@@ -180,8 +180,16 @@ class DataSection:
   seq_len: int = 512
   batch_size: int = 4               # rows per optimizer micro-step (global)
   cache_dir: str | None = "runs/cache"
-  regenerate: bool = False          # let the target rewrite the assistant turns first
+  # Regeneration: the target rewrites the assistant turns of the training conversations first
+  # (DFlash trains on the target's own outputs; token ids kept exactly). `jax_drafter.regenerate`
+  # runs the same step on its own.
+  regenerate: bool = False
   regenerate_max_new_tokens: int = 256
+  regenerate_max_turns: int | None = None   # assistant turns per conversation (None = all)
+  regenerate_temperature: float = 0.0       # 0 = greedy (what temperature-0 evaluation decodes)
+  regenerate_batch_rows: int = 256          # sequences decoded at once
+  regenerate_batch_tokens: int = 524288     # rows x (longest prompt + max_new_tokens) per batch
+  regenerate_file: str | None = None        # JSONL cache; None: <cache_dir>/regenerated.jsonl
   seed: int = 0
 
   def __post_init__(self):
@@ -189,6 +197,18 @@ class DataSection:
       raise ConfigError(f"data.seq_len={self.seq_len} is too small (>= 8)")
     if self.batch_size < 1:
       raise ConfigError(f"data.batch_size={self.batch_size} must be >= 1")
+    for name in ("regenerate_max_new_tokens", "regenerate_batch_rows", "regenerate_batch_tokens"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 1")
+    if self.regenerate_max_turns is not None and self.regenerate_max_turns < 1:
+      raise ConfigError(f"data.regenerate_max_turns={self.regenerate_max_turns} must be >= 1 "
+                        "(or null for every assistant turn)")
+    if self.regenerate_temperature < 0:
+      raise ConfigError(f"data.regenerate_temperature={self.regenerate_temperature} must be >= 0 "
+                        "(0 = greedy)")
+
+  def regenerate_path(self, output_dir: str) -> str:
+    return self.regenerate_file or os.path.join(self.cache_dir or output_dir, "regenerated.jsonl")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,17 @@ def resolve_data_path(path: str | os.PathLike) -> Path:
     return Path(p)
 
 
+def check_data_path(path: str | os.PathLike) -> Path:
+  """The data file exists and is readable (cheap; before any model loads)."""
+  file = resolve_data_path(path)
+  if not file.is_file():
+    raise DataError(f"{file}: data file not found; pass an existing ShareGPT JSON/JSONL path "
+                    f"or '{SHAREGPT}' for the packaged ShareGPT data")
+  if not os.access(file, os.R_OK):
+    raise DataError(f"{file}: data file is not readable (permissions)")
+  return file
+
+
 def load_conversations(path: str | os.PathLike, *, max_conversations: int | None = None,
                        allow_truncated: bool | None = None) -> list[dict]:
   """Reads ShareGPT JSON (a list of records) or JSONL (one record per line) into normalised conversations.
@@ -398,8 +409,10 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   """Loads, splits, (optionally regenerates), tokenises and packs; caches the result as .npz.
 
   `max_conversations` caps the usable conversations read (file order) before `held_out` of them are
-  reserved. `regenerate` maps the training conversations to ones whose assistant turns the target
-  wrote (`bridge.regenerate`); `regenerate_key` must then name its settings (it is part of the cache key).
+  reserved. `regenerate` maps the training conversations to records of the target's own turns
+  (`bridge.regenerate`: exact token ids `input_ids` and the generated id ranges `assistant_spans`,
+  used as they are, never re-tokenised); `regenerate_key` must then name the target and its
+  settings (it is part of the cache key).
   """
   if regenerate is not None and not regenerate_key:
     raise ValueError("build_dataset(regenerate=...) needs a regenerate_key naming the target and "
@@ -422,9 +435,12 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
       return cached
   convs, skipped = _load(data_path, max_conversations, None)
   train, held = split_held_out(convs, held_out, seed)
+  docs, truncated, regenerated = [], 0, None
   if regenerate is not None:
-    train = regenerate(train)
-  docs, truncated = [], 0
+    records = regenerate(train)
+    regenerated = len(records)
+    docs, truncated = token_documents(records, seq_len if pack_mode == "truncate" else None)
+    train = []
   for chunk in range(0, len(train), 512):  # bounded memory for the offsets of the full file
     batch = train[chunk:chunk + 512]
     try:
@@ -437,7 +453,9 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   if pack_mode == "truncate":
     stats["documents_truncated"] += truncated
   stats = {"conversations": len(convs), "skipped_no_assistant": skipped, "held_out": len(held),
-           "train_conversations": len(train), **stats}
+           "train_conversations": len(train) if regenerated is None else regenerated, **stats}
+  if regenerated is not None:
+    stats["regenerated"] = True
   if stats["dropped_no_anchor"]:
     log.warning("data: dropped %d documents without two consecutive supervised tokens",
                 stats["dropped_no_anchor"])
@@ -449,6 +467,25 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   if cache_file is not None:
     _write_cache(cache_file, ds)
   return ds
+
+
+def token_documents(records: Sequence[dict], max_tokens: int | None
+                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+  """Records with exact ids (`input_ids`, `assistant_spans` [[start, end), ...]) -> (docs, number
+  truncated to max_tokens). The loss mask is 1 on the generated ids (end-of-turn token included)."""
+  docs, truncated = [], 0
+  for r in records:
+    ids = np.asarray(r["input_ids"], np.int32)
+    mask = np.zeros(len(ids), np.int32)
+    for a, b in r["assistant_spans"]:
+      if not 0 <= a <= b <= len(ids):
+        raise DataError(f"record {r.get('id')!r}: assistant span [{a}, {b}) is outside its "
+                        f"{len(ids)} ids; regenerate it (delete its line from the cache)")
+      mask[a:b] = 1
+    if max_tokens and len(ids) > max_tokens:
+      ids, mask, truncated = ids[:max_tokens], mask[:max_tokens], truncated + 1
+    docs.append((ids, mask))
+  return docs, truncated
 
 
 def format_stats(stats: dict) -> str:

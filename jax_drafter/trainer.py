@@ -44,9 +44,31 @@ def _attn_impl(t) -> dict:
   return {"implementation": t.attention} if t.attention else {}
 
 
-def setup(cfg: RunConfig):
+def check_inputs(cfg: RunConfig) -> None:
+  """Cheap checks of the files a run needs, before anything heavy loads (a bad data path must
+  not wait for the target)."""
+  data_lib.check_data_path(cfg.data.path)
+
+
+def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None):
+  """-> (fn, key) that regenerate the training conversations with `target` as configured."""
+  from bridge import regenerate as regen_lib
+  d = cfg.data
+  settings = regen_lib.Settings(
+      max_new_tokens=d.regenerate_max_new_tokens, temperature=d.regenerate_temperature,
+      seed=d.seed, max_prompt_tokens=min(d.seq_len, target.info.max_position_embeddings
+                                         - d.regenerate_max_new_tokens),
+      max_turns=d.regenerate_max_turns)
+  return regen_lib.make_regenerator(
+      target.model, target.tokenizer, settings, cache_path=d.regenerate_path(cfg.train.output_dir),
+      batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
+      progress=progress, stats=stats)
+
+
+def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None):
   """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it."""
   from bridge import target as target_lib
+  check_inputs(cfg)
   tc = cfg.target
   target = target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype,
                                   device=tc.device, trust_remote_code=tc.trust_remote_code)
@@ -57,14 +79,9 @@ def setup(cfg: RunConfig):
   target_lib.check_mask_token_id(target, dcfg.mask_token_id)
   regen, regen_key = None, ""
   if cfg.data.regenerate:
-    # DFlash trains on the target's own outputs: the target rewrites the assistant turns first
-    # (greedy), cached on disk and keyed by the target's fingerprint and the generation settings.
-    from bridge import regenerate as regen_lib
-    cache_path = os.path.join(cfg.data.cache_dir or cfg.train.output_dir, "regenerated.jsonl")
-    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-    regen, regen_key = regen_lib.make_regenerator(
-        target.model, target.tokenizer, max_new_tokens=cfg.data.regenerate_max_new_tokens,
-        cache_path=cache_path, seed=cfg.data.seed)
+    # DFlash trains on the target's own outputs: the target rewrites the assistant turns first,
+    # cached on disk and keyed by the target's fingerprint and the generation settings.
+    regen, regen_key = regeneration(cfg, target, stats=regenerate_stats)
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,

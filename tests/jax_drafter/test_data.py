@@ -252,9 +252,15 @@ def test_build_dataset_cache_hit_is_identical(tok, tmp_path, monkeypatch):
   path = _small_dataset(tmp_path)
   seen = []
 
-  def regenerate(convs):
+  def regenerate(convs):  # records with exact ids, as bridge.regenerate returns them
     seen.extend(c["id"] for c in convs)
-    return convs
+    out = []
+    for c in convs:
+      ids, mask = data.tokenize_conversation(tok, c["messages"])
+      edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+      out.append({"id": c["id"], "input_ids": ids.tolist(),
+                  "assistant_spans": edges.reshape(-1, 2).tolist()})
+    return out
 
   kwargs = dict(max_conversations=30, held_out=4, seed=1, cache_dir=tmp_path / "cache",
                 regenerate=regenerate, regenerate_key="identity")

@@ -157,7 +157,11 @@ def test_training_on_target_regenerated_conversations(tiny_target_dir, sharegpt_
   summary = trainer.train(cfg)
   assert summary["final_step"] == 1
   cached = [json.loads(l) for l in open(tmp_path / "cache" / "regenerated.jsonl")]
-  assert len(cached) == 5                       # the training conversations, not the held-out one
+  # The training conversations (not the held-out one), minus prompts longer than seq_len.
+  held = {c["id"] for c in summary["held_out"]}
+  assert 0 < len(cached) <= 5 and not held & {r["id"] for r in cached}
+  assert summary["data_stats"]["train_conversations"] == len(cached)
+  assert all(r["assistant_spans"] and r["input_ids"] for r in cached)
 
 
 def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, sharegpt_sample,
