@@ -186,3 +186,81 @@ def test_chunked_ce_bf16_gradient_close_to_f32():
   g16 = jax.grad(f)(h.astype(jnp.bfloat16), jnp.bfloat16)
   assert g16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(g16, np.float32), g32, rtol=0.05, atol=0.05)
+
+
+def _kd_inputs(seed, T, D, V, R):
+  h, head, y, w = _ce_inputs(seed, T, D, V)
+  rng = np.random.default_rng(seed + 100)
+  return (h, head, y, w, jnp.asarray(rng.normal(size=(R, D)), jnp.float32),
+          jnp.asarray(rng.integers(0, R, T), jnp.int32))
+
+
+def _dense_kd(h, head, y, teacher, rows, alpha, tau):
+  """Plain [T, V] reference: (1-a) CE + a CE(softmax(teacher logits / tau), softmax(logits))."""
+  logits = h @ head.T
+  logp = jax.nn.log_softmax(logits, -1)
+  q = jax.nn.softmax(teacher[rows] @ head.T / tau, -1)
+  ce = -jnp.take_along_axis(logp, y[:, None], -1)[:, 0]
+  kd = -jnp.sum(q * logp, -1)
+  return (1 - alpha) * ce + alpha * kd, ce, kd
+
+
+def test_chunked_kd_equals_dense_kd_and_its_gradient():
+  T, D, V, R = 37, 16, 50, 23
+  h, head, y, w, teacher, rows = _kd_inputs(2, T, D, V, R)
+  alpha, tau = 0.3, 2.0
+  dense = lambda h: jnp.sum(_dense_kd(h, head, y, teacher, rows, alpha, tau)[0] * w)
+  ref_val, ref_grad = jax.value_and_grad(dense)(h)
+  _, ref_ce, ref_kd = _dense_kd(h, head, y, teacher, rows, alpha, tau)
+
+  def chunked(h, teacher, c):
+    loss, ce, kd, pred = objective.chunked_ce_kd(h, head, y, teacher, rows, kd_weight=alpha,
+                                                 kd_temperature=tau, chunk_size=c)
+    return jnp.sum(loss * w), (ce, kd, pred)
+
+  for c in (1, 8, 37, 64):
+    (val, (ce, kd, pred)), (grad, g_teacher) = jax.value_and_grad(
+        chunked, argnums=(0, 1), has_aux=True)(h, teacher, c)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    np.testing.assert_allclose(ce, ref_ce, rtol=1e-5)
+    np.testing.assert_allclose(kd, ref_kd, rtol=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(g_teacher).any()                   # the teacher is frozen
+    assert (np.asarray(pred) == np.asarray(jnp.argmax(h @ head.T, -1))).all()
+
+
+def test_kd_with_weight_zero_is_the_ce_bit_for_bit():
+  h, head, y, w, teacher, rows = _kd_inputs(3, 29, 16, 50, 11)
+
+  def ce_only(h):
+    ce, _ = objective.chunked_cross_entropy(h, head, y, chunk_size=8)
+    return jnp.sum(ce * w)
+
+  def kd_zero(h):
+    loss, *_ = objective.chunked_ce_kd(h, head, y, teacher, rows, kd_weight=0.0,
+                                       kd_temperature=1.0, chunk_size=8)
+    return jnp.sum(loss * w)
+
+  v0, g0 = jax.jit(jax.value_and_grad(ce_only))(h)
+  v1, g1 = jax.jit(jax.value_and_grad(kd_zero))(h)
+  np.testing.assert_array_equal(v1, v0)
+  np.testing.assert_array_equal(g1, g0)
+
+
+def test_chunked_kd_adds_one_chunk_of_logits_at_most():
+  """One extra [C, V] f32 buffer over the CE alone (XLA CPU's buffer plan), never [T, V]."""
+  T, D, V, C, R = 256, 8, 4096, 32, 64
+  sds = jax.ShapeDtypeStruct
+  h, head, y = sds((T, D), jnp.float32), sds((V, D), jnp.float32), sds((T,), jnp.int32)
+  teacher, rows = sds((R, D), jnp.float32), sds((T,), jnp.int32)
+  ce = jax.grad(lambda h, hd, y: objective.chunked_cross_entropy(h, hd, y, chunk_size=C)[0].sum())
+  kd = jax.grad(lambda h, hd, y, tc, r: objective.chunked_ce_kd(
+      h, hd, y, tc, r, kd_weight=0.5, kd_temperature=2.0, chunk_size=C)[0].sum())
+  ce_c = jax.jit(ce).lower(h, head, y).compile()
+  kd_c = jax.jit(kd).lower(h, head, y, teacher, rows).compile()
+  hlo = kd_c.as_text()
+  assert f"f32[{T},{V}]" not in hlo and f"f32[{C},{V}]" in hlo
+  # The teacher's [C, V] f32 logits, plus a few [C, D] rows at most (a second [C, V] buffer, e.g.
+  # a scaled or exponentiated copy of them, would double the margin).
+  extra = kd_c.memory_analysis().temp_size_in_bytes - ce_c.memory_analysis().temp_size_in_bytes
+  assert extra <= C * V * 4 + 4 * C * D * 4, extra

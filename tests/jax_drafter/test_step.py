@@ -115,3 +115,94 @@ def test_drafter_with_the_pallas_kernel_in_interpret_mode_matches_xla():
   np.testing.assert_allclose(val, ref_val, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _unit_frozen(seed=1):
+  e = np.random.default_rng(seed).normal(size=(100, 32))
+  e = jnp.asarray(e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
+  return {"embed": e, "lm_head": e}
+
+
+def _teacher_on(ids_BxS, head, shift, seed=2):
+  """final_hidden whose teacher distribution at position p is one-hot on ids[p + shift]: the rows
+  of `head` are unit vectors, so 200 * head[y] gives logit 200 to y and < 200 * 0.9 to the rest."""
+  B, S = ids_BxS.shape
+  src = np.minimum(np.arange(S) + shift, S - 1)
+  final = 200.0 * np.asarray(head)[ids_BxS[:, src]]
+  return final + np.random.default_rng(seed).normal(size=final.shape) * 1e-3
+
+
+def test_kd_teacher_is_the_target_prediction_one_position_before_the_label():
+  """Teacher one-hot on ids[p + 1] at position p: KD is exactly the CE on labels ids[a + k]."""
+  frozen = _unit_frozen()
+  head = frozen["lm_head"]
+  cos = np.asarray(head @ head.T) - np.eye(100)
+  assert cos.max() < 0.9
+  # Through the step: micro_sums hands the anchors and the final hidden states over.
+  t = TrainSection(num_anchors=4, kd_weight=0.5, kd_temperature=1.0)
+  g, state = st.init_state(CFG, t, st.make_optimizer(t))
+  micro = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
+  ids = np.asarray(micro["input_ids"])
+  final = jnp.asarray(_teacher_on(ids, head, 1), jnp.float32)
+  sums = jax.jit(lambda p, m: st.micro_sums(g, p, m, frozen, jax.random.key(4), cfg=CFG, t=t))(
+      state.params, {**micro, "final_hidden": final})
+  assert float(sums.w) > 0
+  np.testing.assert_allclose(sums.wkd, sums.wce, rtol=1e-5)
+  np.testing.assert_allclose(sums.wloss, sums.wce, rtol=1e-5)
+  # Token by token, with a drafter far from uniform (an untrained one gives about log V for any
+  # target, which would hide a wrong offset): equal at shift 1, different one position off.
+  r = np.random.default_rng(8)
+  B, S = ids.shape
+  K, N = CFG.block_size, 5
+  anchors = jnp.asarray(np.sort(r.choice(S - K, (B, N), replace=False), axis=1), jnp.int32)
+  tgt = (anchors[:, :, None] + jnp.arange(K)).reshape(B, -1)
+  labels = jnp.take_along_axis(jnp.asarray(ids), tgt, axis=1)
+  h = jnp.asarray(r.normal(size=(B, N * K, 32)) * 3, jnp.float32)
+  terms = jax.jit(lambda final: st.supervised_ce_kd(
+      h, head, labels, anchors, final, K, kd_weight=0.5, kd_temperature=1.0, chunk_size=7,
+      compute_dtype=jnp.float32)[1:3])
+  for shift in (1, 0, 2):
+    ce, kd = terms(jnp.asarray(_teacher_on(ids, head, shift), jnp.float32))
+    ce, kd = np.asarray(ce).reshape(B, N, K)[:, :, 1:], np.asarray(kd).reshape(B, N, K)[:, :, 1:]
+    if shift == 1:
+      np.testing.assert_allclose(kd, ce, rtol=1e-5)
+    else:
+      assert (np.abs(kd - ce) > 0.1).mean() > 0.8, shift
+
+
+def test_supervised_ce_kd_with_weight_zero_is_supervised_ce_bit_for_bit():
+  r = np.random.default_rng(6)
+  B, N, K, S, D = 2, 3, 4, 24, 32
+  h = jnp.asarray(r.normal(size=(B, N * K, D)), jnp.float32)
+  labels = jnp.asarray(r.integers(0, 100, (B, N * K)), jnp.int32)
+  anchors = jnp.asarray(np.sort(r.integers(0, S, (B, N)), axis=1), jnp.int32)
+  final = jnp.asarray(r.normal(size=(B, S, D)), jnp.float32)
+  head = _frozen()["lm_head"]
+  w = jnp.asarray(r.random((B, N * K)), jnp.float32)
+  kw = dict(chunk_size=7, compute_dtype=jnp.float32)
+  ce_only = lambda h: jnp.sum(st.supervised_ce(h, head, labels, K, **kw)[0] * w)
+  kd_zero = lambda h: jnp.sum(st.supervised_ce_kd(h, head, labels, anchors, final, K, kd_weight=0.0,
+                                                  kd_temperature=1.0, **kw)[0] * w)
+  v0, g0 = jax.jit(jax.value_and_grad(ce_only))(h)
+  v1, g1 = jax.jit(jax.value_and_grad(kd_zero))(h)
+  np.testing.assert_array_equal(v1, v0)
+  np.testing.assert_array_equal(g1, g0)
+
+
+def test_kd_step_blends_and_logs_both_terms():
+  t = TrainSection(num_anchors=4, ce_chunk_size=7, kd_weight=0.25, kd_temperature=2.0)
+  opt = st.make_optimizer(t)
+  g, state = st.init_state(CFG, t, opt)
+  batch = _batch()
+  batch["final_hidden"] = np.random.default_rng(7).normal(size=(1, 2, 24, 32)).astype(np.float32)
+  new_state, m = st.jit_train_step(st.make_train_step(g, CFG, t, opt))(state, batch, _frozen())
+  assert bool(m["finite"]) and int(new_state.step) == 1
+  assert float(m["kd"]) > 0 and float(m["ce"]) > 0
+  np.testing.assert_allclose(m["loss"], 0.75 * m["ce"] + 0.25 * m["kd"], rtol=1e-5)
+  with pytest.raises(ValueError, match="needs the target's final hidden states.*with_final=True"):
+    jax.eval_shape(st.make_train_step(g, CFG, t, opt), new_state, _batch(), _frozen())
+  from jax_drafter.config import ConfigError
+  with pytest.raises(ConfigError, match=r"train.kd_weight=1.5 must be in \[0, 1\]"):
+    TrainSection(kd_weight=1.5)
+  with pytest.raises(ConfigError, match="train.kd_temperature=0 must be > 0"):
+    TrainSection(kd_temperature=0)
