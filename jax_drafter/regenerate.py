@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", metavar="FILE.jsonl", default=None,
                  help="where the regenerated conversations go (default: data.regenerate_file, or "
                       "<data.cache_dir>/regenerated.jsonl, which training reads)")
+  p.add_argument("--shard", metavar="I/N", default=None,
+                 help="only conversations I, I+N, I+2N, ... of the training split (one process "
+                      "per GPU, each with its own --out; concatenate the files afterwards: records "
+                      "are keyed, so the result is the cache training reads)")
+  p.add_argument("--no-cuda-graph", action="store_true",
+                 help="decode eagerly (for comparison; CUDA graphs are used when available)")
   p.add_argument("--json", metavar="FILE", help="write the summary (counts, tokens/s) here")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p
@@ -69,8 +75,12 @@ def main(argv=None) -> int:
                          trust_remote_code=tc.trust_remote_code)
     convs = data_lib.load_conversations(cfg.data.path, max_conversations=cfg.data.max_conversations)
     train, _ = data_lib.split_held_out(convs, cfg.data.held_out, cfg.data.seed)
+    if args.shard:
+      i, n = _shard(args.shard)
+      train = train[i::n]
     stats: dict = {}
-    fn, _ = trainer.regeneration(cfg, target, progress=not args.quiet, stats=stats)
+    fn, _ = trainer.regeneration(cfg, target, progress=not args.quiet, stats=stats,
+                                 cuda_graph=False if args.no_cuda_graph else None)
     records = fn(train)
   except (ConfigError, data_lib.DataError, TargetError, RegenerationError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -93,6 +103,16 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       json.dump(summary, f, indent=2)
   return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+  try:
+    i, n = (int(x) for x in text.split("/"))
+  except ValueError:
+    raise ValueError(f"--shard {text!r} must look like I/N, e.g. 0/2") from None
+  if not 0 <= i < n:
+    raise ValueError(f"--shard {text}: I must be in 0..N-1")
+  return i, n
 
 
 if __name__ == "__main__":

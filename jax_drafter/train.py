@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--memory-report", metavar="DIR", default=None,
                  help="write the XLA memory report of the step to DIR and log predicted vs "
                       "measured peak at step 1")
+  p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                 help="stop after M minutes of training with a checkpoint (and the evaluation, "
+                      "if configured); rerun the same command to continue")
   p.add_argument("--no-export", action="store_true", help="skip the z-lab export at the end")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p
@@ -63,7 +66,8 @@ def main(argv=None) -> int:
   log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
   progress = None if args.quiet else _tqdm_progress()
   try:
-    summary = trainer.train(cfg, progress=progress, memory_report=args.memory_report)
+    summary = trainer.train(cfg, progress=progress, memory_report=args.memory_report,
+                            time_budget_s=None if args.max_minutes is None else 60 * args.max_minutes)
   except (trainer.TrainingError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

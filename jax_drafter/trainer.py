@@ -50,7 +50,8 @@ def check_inputs(cfg: RunConfig) -> None:
   data_lib.check_data_path(cfg.data.path)
 
 
-def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None):
+def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
+                 cuda_graph: bool | None = None):
   """-> (fn, key) that regenerate the training conversations with `target` as configured."""
   from bridge import regenerate as regen_lib
   d = cfg.data
@@ -62,7 +63,7 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
   return regen_lib.make_regenerator(
       target.model, target.tokenizer, settings, cache_path=d.regenerate_path(cfg.train.output_dir),
       batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
-      progress=progress, stats=stats)
+      progress=progress, stats=stats, cuda_graph=cuda_graph)
 
 
 def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None):
@@ -154,9 +155,11 @@ class Placement:
 
 
 def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: str | None = None,
-          stop_after: int | None = None) -> dict[str, Any]:
+          stop_after: int | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
   """Run (or resume) training as configured. Returns a summary dict.
 
+  time_budget_s: stop (with a checkpoint, and an evaluation if configured) once this many seconds
+  of training have passed in this invocation; rerunning resumes (a run longer than one session).
   stop_after: stop (with a checkpoint) after this many steps of this invocation (tests use it to
   simulate an interruption).
   """
@@ -283,9 +286,16 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
 
   progress.start(first, total)
   stop = first + stop_after if stop_after is not None else total
+  out_of_time = False
+  t_loop = time.time()
   try:
     with _Interrupt() as intr:
       for i in range(first, min(total, stop)):
+        if time_budget_s is not None and time.time() - t_loop >= time_budget_s:
+          out_of_time = True
+          log.info("time budget of %.0f s reached at step %d of %d: saving; rerun the same "
+                   "command to continue", time_budget_s, i, total)
+          break
         host, tensors = next_batch()
         h = Handoff()
         batch = {k: place.split_rows(v) for k, v in host.items()}
@@ -320,8 +330,8 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
       if pending is not None:
         finish(pending)
         pending = None
-      if t.eval_prompts and not intr.hit and int(state.step) == total:
-        evaluate(total)
+      if t.eval_prompts and not intr.hit and (int(state.step) == total or out_of_time):
+        evaluate(int(state.step))
     completed = True
   finally:
     # Reached on normal exit, Ctrl-C, and errors: the state in hand is always a good one
@@ -344,5 +354,6 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   summary.update(final_step=int(state.step), last=history[-1] if history else None,
                  first=history[0] if history else None, checkpoint=last_saved,
                  drafter_config=dcfg, target=target, graphdef=graphdef, params=state.params,
-                 held_out=ds.held_out, interrupted=bool(intr.hit), data_stats=ds.stats)
+                 held_out=ds.held_out, interrupted=bool(intr.hit), data_stats=ds.stats,
+                 out_of_time=out_of_time)
   return summary

@@ -1,0 +1,52 @@
+"""Decode throughput of bridge.generation on a target of SmolLM2-135M's shapes (random weights, so
+no row stops early: every row runs to max_new_tokens, the worst case for batching), CUDA graph vs
+eager, several batch sizes. Run on a GPU machine:  python scripts/bench_generation.py
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from bridge import generation as G
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--rows", default="64,256,512")
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--new", type=int, default=256)
+  p.add_argument("--json")
+  a = p.parse_args()
+  from transformers import LlamaConfig, LlamaForCausalLM
+  cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(0)
+  model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+  rows_out = []
+  for rows in [int(r) for r in a.rows.split(",")]:
+    g = torch.Generator().manual_seed(rows)
+    prompts = [torch.randint(3, 49152, (int(torch.randint(a.prompt_len // 2, a.prompt_len + 1, (1,),
+                                                          generator=g)),), generator=g).tolist()
+               for _ in range(rows)]
+    for graph in (True, False):
+      kw = dict(max_new_tokens=a.new, stop_ids={2}, pad_id=2, max_rows=rows, cuda_graph=graph)
+      list(G.generate_many(model, prompts[:8], **dict(kw, max_new_tokens=8)))  # warm up
+      torch.cuda.synchronize()
+      st = G.GenerationStats()
+      t0 = time.perf_counter()
+      list(G.generate_many(model, prompts, stats=st, **kw))
+      torch.cuda.synchronize()
+      dt = time.perf_counter() - t0
+      r = dict(rows=rows, cuda_graph=graph, captured=st.cuda_graph, tokens=st.tokens, seconds=dt,
+               tokens_per_s=st.tokens / dt, ms_per_step=1e3 * dt / max(st.decode_steps, 1))
+      rows_out.append(r)
+      print(json.dumps(r), flush=True)
+  if a.json:
+    json.dump(rows_out, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
