@@ -247,11 +247,12 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
     report = evaluate_tau(target, dcfg, graphdef, state.params, prompts,
                           max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=frozen)
     est = history[-1]["tau_estimate"] if history else float("nan")
+    ll = report["lossless"]
     log.info("step %d: speculative decoding on %d held-out prompts: tau %.3f (training estimate "
-             "%.2f), lossless %s", step, len(prompts), report["tau"], est,
-             report["lossless"]["passed"])
+             "%.2f), lossless %s (%d near-ties within rounding noise)", step, len(prompts),
+             report["tau"], est, ll["passed"], len(ll["ties"]))
     rec = {"step": step, "eval_tau": report["tau"], "train_tau_estimate": est,
-           "lossless": report["lossless"]["passed"]}
+           "lossless": ll["passed"], "near_ties": len(ll["ties"])}
     metrics_file.write(json.dumps(rec) + "\n")
     if writer is not None:
       writer.add_scalar("eval/tau", report["tau"], step)
