@@ -188,14 +188,17 @@ def test_lossless_report_lists_ties_and_mismatches():
              reason="not a near-tie: |margin| 1.5 > tolerance 0.0001")
   row = lambda i, **kw: dict(prompt=i, new_tokens=3, target_new_tokens=3, accepted=[0, 1], tau=1.5,
                              speculative_seconds=1.0, target_seconds=2.0, **kw)
-  rows = [row(0, ties=[tie], mismatch=None), row(1, ties=[], mismatch=bad)]
+  rows = [row(0, ties=[tie], mismatch=None, target_cached=True),
+          row(1, ties=[], mismatch=bad, target_cached=False)]
   r = evaluate.summarize(rows, block_size=4, max_new_tokens=3, temperature=0.0, target_name="t",
                          arbiter="the target in float32")
   assert r["lossless"]["passed"] is False
   assert r["lossless"]["ties"] == [tie] and r["lossless"]["mismatches"] == [bad]
+  assert r["tokens_per_second"]["target_only_cached"] == 1
   text = evaluate.format_report(r)
   assert "FAILED on 1 of 2 prompts" in text and "prompt 1 new token 2" in text and "1.5" in text
   assert "1 near-ties" in text and "prompt 0 new token 1: speculative 7, target 9" in text
+  assert "1 of 2 references cached" in text
   # Only ties: passed.
   r = evaluate.summarize(rows[:1], block_size=4, max_new_tokens=3, temperature=0.0,
                          target_name="t", arbiter="the target in float32")
@@ -290,6 +293,57 @@ def test_near_tie_is_reported_and_passes(tiny_target, monkeypatch):
   # continuation of prompt + the speculative tokens up to and including the tie.
   assert report["per_prompt"][0]["new_tokens"] == 16
   assert "1 near-ties" in evaluate.format_report(report)
+
+
+def test_reference_cache_decodes_the_target_once(tiny_target, monkeypatch):
+  calls = []
+  real = spec_decode.target_generate
+
+  def counting(*a, **kw):
+    calls.append(kw["max_new_tokens"])
+    return real(*a, **kw)
+
+  monkeypatch.setattr(spec_decode, "target_generate", counting)
+  cfg, graphdef, params = tiny_drafter()
+  cache = {}
+  run = lambda n: evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS[:2],
+                                        max_new_tokens=n, progress=False, reference_cache=cache)
+  first = run(8)
+  assert calls == [2, 8, 8] and len(cache) == 2  # warm-up, then one decode per prompt
+  assert first["tokens_per_second"]["target_only_cached"] == 0
+  second = run(8)
+  assert calls == [2, 8, 8]  # nothing decoded by the target alone, not even the warm-up
+  assert second["tokens_per_second"]["target_only"] == first["tokens_per_second"]["target_only"]
+  assert second["tokens_per_second"]["target_only_cached"] == 2
+  assert [r["target_cached"] for r in second["per_prompt"]] == [True, True]
+  assert "2 of 2 references cached" in evaluate.format_report(second)
+  assert second["lossless"]["passed"] is True
+  run(6)  # another length is another reference
+  assert calls[3:] == [2, 6, 6] and len(cache) == 4
+
+
+def test_training_run_decodes_the_reference_once(tiny_target_dir, sharegpt_sample, tmp_path,
+                                                 monkeypatch):
+  """trainer.train's evaluate closure keeps one reference cache for the run (eval_every)."""
+  from jax_drafter import trainer
+  from jax_drafter.config import load_config
+  calls = []
+  real = spec_decode.target_generate
+  monkeypatch.setattr(spec_decode, "target_generate",
+                      lambda *a, **kw: calls.append(kw["max_new_tokens"]) or real(*a, **kw))
+  cfg = load_config(None, [
+      f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}", "data.max_conversations=40",
+      "data.held_out=2", "data.seq_len=96", "data.batch_size=2", "data.cache_dir=null",
+      "drafter.num_hidden_layers=1", "drafter.block_size=4", "train.num_anchors=4",
+      "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=4",
+      "train.tensorboard=false", "train.eval_every=2", "train.eval_prompts=2",
+      "train.eval_max_new_tokens=5", f"train.output_dir={tmp_path / 'run'}"])
+  summary = trainer.train(cfg)
+  assert [e["step"] for e in summary["evaluations"]] == [2, 4]
+  assert all(e["lossless"] is True and e["near_ties"] == 0 for e in summary["evaluations"])
+  n = summary["eval_report"]["num_prompts"]  # usable held-out prompts (short enough, a user turn)
+  assert n >= 1 and calls == [2] + [5] * n  # the first evaluation's warm-up and references only
+  assert summary["eval_report"]["tokens_per_second"]["target_only_cached"] == n
 
 
 # ---- inference.py == Drafter.__call__ ------------------------------------------------------------
