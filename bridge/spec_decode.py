@@ -233,32 +233,33 @@ def eos_token_ids(target: Target) -> set[int]:
   return target_eos_ids(target.model, target.tokenizer)
 
 
-# ---- the lossless check (temperature 0) ------------------------------------------------------------
-# The speculative tokens must equal the target-only greedy tokens. But the verify step runs the target
-# over K tokens at once and the target-only path one token at a time; the two round differently, so
-# where the target's two best logits nearly tie, the argmax can flip (in bf16 on an H200: "position 4:
-# speculative 4237 vs target 724" in a correct run). Only a near-tie can flip, so at each difference
-# the position is recomputed (TieArbiter) and the gap between the two tokens decides.
+# ---- the lossless check (temperature 0) ---------------------------------------------------------
+# The speculative tokens must equal the target-only greedy tokens. But the verify step runs the
+# target over K tokens at once and the target-only path one token at a time; the two round
+# differently, so where the target's two best logits nearly tie the argmax can flip (bf16 on an
+# H200: "position 4: speculative 4237 vs target 724" in a correct run). Only a near-tie can flip,
+# so at each difference the position is recomputed (TieArbiter) and the gap between the two decides.
 #
 # TIE_TOLERANCE: the largest |logit[target-only token] - logit[speculative token]| still called a
 # near-tie, as a fraction of the row's largest |logit|, keyed by the dtype the target decoded in.
-# Measured on SmolLM2-135M-Instruct (CPU, 3 chat prompts x 96 greedy tokens, max |logit| 16..39): the
-# gap between the two best logits moved by at most 1.0e-6 x max|logit| across a 16-token verify block,
-# one-token decoding and a fresh forward in float32; in bfloat16 by up to 2.0e-2 between the two bf16
-# paths (which flipped the argmax at 2-3 of 96 positions) and 2.6e-2 against float32 (~1 logit).
-#  - float32 1e-5: 10x the measured movement. A wrong token is typically logits away (the closest two
-#    best logits in that sample were 3.4e-5 x max|logit| apart), so any real divergence in f32 fails.
-#  - bfloat16 5e-2: 2x the measured movement (GPU kernels, split-K matmuls and fused attention, round
-#    differently from the CPU); ~2 logits for SmolLM2. In bf16 a bug that emits a token that close to
-#    the best one cannot be told from rounding: the f32 run (CPU tests) is the strict check.
+# Measured on SmolLM2-135M-Instruct (CPU, 3 chat prompts x 96 greedy tokens, max|logit| 16..39):
+# the gap between the two best logits moved by at most 1.0e-6 x max|logit| across a 16-token verify
+# block, one-token decoding and a fresh forward in float32; in bfloat16 by up to 2.0e-2 between the
+# two bf16 paths (whose argmax differed at 2-3 of 96 positions) and 2.6e-2 against f32 (~1 logit).
+#  - float32 1e-5: 10x the measured movement. A wrong token passes as a tie only if it is that close
+#    to the best one (a wrong token is typically logits away; the closest two best logits in that
+#    sample were 3.4e-5 x max|logit| apart): in f32 a real divergence fails.
+#  - bfloat16 5e-2: 2x the measured movement (GPU kernels, split-K matmuls and fused attention,
+#    round differently from the CPU); ~2 logits for SmolLM2. A bug that emits a token that close to
+#    the best one passes as a tie in bf16; the tie bound below and the f32 CPU tests catch it.
 #  - float16 6.25e-3: the bf16 number scaled by fp16's 3 extra mantissa bits (not measured).
 TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 6.25e-3}
 # A correct bf16 run flips ~3% of positions; more than 1 + 1/8 of a response's tokens as near-ties
 # is a systematic error, and the bound caps the reruns of the reference the check makes.
 MAX_TIE_FRACTION = 1 / 8
-# The arbiter recomputes in float32 from a copy of the weights (2x a bf16 target's memory). Past this
-# (2B parameters), or when the copy would not fit in free GPU memory, it runs the target in its own
-# dtype: that forward's own rounding (the size of the tolerance) makes the tie rule about 2x looser.
+# The arbiter recomputes in float32 from a copy of the weights (2x a bf16 target's memory). Past
+# this (2.1B parameters), or when the copy would not fit in free GPU memory, it runs the target in
+# its own dtype, whose rounding (the size of the tolerance) makes the tie rule about 2x looser.
 F32_ARBITER_MAX_BYTES = 8 << 30
 
 
@@ -312,7 +313,8 @@ class TieArbiter:
       raise TargetError(f"no near-tie tolerance for a {self.dtype} target: add one to "
                         "bridge.spec_decode.TIE_TOLERANCE, measured as the comment there says")
     model = self._model()
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    kw = {"logits_to_keep": 1} if keep else {}  # [V] logits, not [T, V]
     with torch.inference_mode():
       ids_t = torch.as_tensor([list(ids)], device=self.target.device, dtype=torch.long)
       logits = model(input_ids=ids_t, use_cache=False, **kw).logits[0, -1].float()

@@ -305,9 +305,10 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
 
 
 def _divergence_text(d: dict) -> str:
+  margin = ("" if d["margin"] is None
+            else f", margin {d['margin']:.3g} (tolerance {d['tolerance']:.3g})")
   return (f"prompt {d['prompt']} new token {d['position']}: speculative {d['speculative']}, "
-          f"target {d['target']}" + ("" if d["margin"] is None else
-                                     f", margin {d['margin']:.3g} (tolerance {d['tolerance']:.3g})"))
+          f"target {d['target']}{margin}")
 
 
 def format_report(r: dict) -> str:
