@@ -10,7 +10,9 @@ oracle proposer in a test and the JAX drafter (jax_drafter/evaluate.py) plug in 
 
 from __future__ import annotations
 
+import copy
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -20,6 +22,7 @@ import torch
 from bridge.target import Target, TargetError
 from bridge.target import eos_token_ids as target_eos_ids
 
+log = logging.getLogger(__name__)
 
 class Proposer(Protocol):
   """The drafter as the decoding loop sees it (features are torch tensors, ids python ints)."""
@@ -202,19 +205,163 @@ def speculative_generate(decoder: TargetDecoder, proposer: Proposer, prompt_ids:
 
 
 def target_generate(decoder: TargetDecoder, prompt_ids: Sequence[int], *, max_new_tokens: int,
-                    eos_ids=(), temperature: float = 0.0, seed: int = 0) -> Generation:
-  """The target alone, one token per forward, with the same cache code (speed and lossless oracle)."""
+                    eos_ids=(), temperature: float = 0.0, seed: int = 0,
+                    until_differs: Sequence[int] | None = None) -> Generation:
+  """The target alone, one token per forward, with the same cache code (speed and lossless oracle).
+
+  until_differs: stop right after the first new token that differs from this sequence (the
+  lossless check only needs the stretch up to the next difference, not the whole response)."""
   t0 = time.perf_counter()
   generator = _generator(decoder, seed)
   eos_ids = set(eos_ids)
   logits, _ = decoder.prefill(prompt_ids, capture=False)
   out, done = _finish([sample(logits, temperature, generator)], max_new_tokens, eos_ids)
-  while not done:
+  while not done and not _differs(out, until_differs):
     logits, _ = decoder.verify(out[-1:], capture=False)
     out, done = _finish(out + [sample(logits[-1], temperature, generator)], max_new_tokens, eos_ids)
   return Generation(out, seconds=time.perf_counter() - t0)
 
 
+def _differs(out: list[int], expected: Sequence[int] | None) -> bool:
+  if expected is None:
+    return False
+  return len(out) > len(expected) or out[-1] != expected[len(out) - 1]
+
+
 def eos_token_ids(target: Target) -> set[int]:
   """The target's end-of-sequence ids (bridge.target.eos_token_ids)."""
   return target_eos_ids(target.model, target.tokenizer)
+
+
+# ---- the lossless check (temperature 0) ---------------------------------------------------------
+# The speculative tokens must equal the target-only greedy tokens. But the verify step runs the
+# target over K tokens at once and the target-only path one token at a time; the two round
+# differently, so where the target's two best logits nearly tie the argmax can flip (bf16 on an
+# H200: "position 4: speculative 4237 vs target 724" in a correct run). Only a near-tie can flip,
+# so at each difference the position is recomputed (TieArbiter) and the gap between the two decides.
+#
+# TIE_TOLERANCE: the largest |logit[target-only token] - logit[speculative token]| still called a
+# near-tie, as a fraction of the row's largest |logit|, keyed by the dtype the target decoded in.
+# Measured on SmolLM2-135M-Instruct (CPU, 3 chat prompts x 96 greedy tokens, max|logit| 16..39):
+# the gap between the two best logits moved by at most 1.0e-6 x max|logit| across a 16-token verify
+# block, one-token decoding and a fresh forward in float32; in bfloat16 by up to 2.0e-2 between the
+# two bf16 paths (whose argmax differed at 2-3 of 96 positions) and 2.6e-2 against f32 (~1 logit).
+#  - float32 1e-5: 10x the measured movement. A wrong token passes as a tie only if it is that close
+#    to the best one (a wrong token is typically logits away; the closest two best logits in that
+#    sample were 3.4e-5 x max|logit| apart): in f32 a real divergence fails.
+#  - bfloat16 5e-2: 2x the measured movement (GPU kernels, split-K matmuls and fused attention,
+#    round differently from the CPU); ~2 logits for SmolLM2. A bug that emits a token that close to
+#    the best one passes as a tie in bf16; the tie bound below and the f32 CPU tests catch it.
+#  - float16 6.25e-3: the bf16 number scaled by fp16's 3 extra mantissa bits (not measured).
+TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 6.25e-3}
+# A correct bf16 run flips ~3% of positions; more than 1 + 1/8 of a response's tokens as near-ties
+# is a systematic error, and the bound caps the reruns of the reference the check makes.
+MAX_TIE_FRACTION = 1 / 8
+# The arbiter recomputes in float32 from a copy of the weights (2x a bf16 target's memory). Past
+# this (2.1B parameters), or when the copy would not fit in free GPU memory, it runs the target in
+# its own dtype, whose rounding (the size of the tolerance) makes the tie rule about 2x looser.
+F32_ARBITER_MAX_BYTES = 8 << 30
+
+
+@dataclass
+class Divergence:
+  """A difference between the speculative and the target-only tokens of one response."""
+  position: int                  # index into the new tokens
+  speculative: int | None        # None: that output had already ended
+  target: int | None
+  margin: float | None = None    # arbiter logit[target] - logit[speculative] (> 0: target's wins)
+  tolerance: float | None = None
+  reason: str = ""               # why it is a mismatch; empty for a near-tie
+
+
+@dataclass
+class LosslessCheck:
+  ties: list[Divergence]         # near-ties (within TIE_TOLERANCE), each followed to the end
+  mismatch: Divergence | None    # the first real difference; None: lossless up to the ties
+
+
+class TieArbiter:
+  """The target's logits at one position, recomputed from scratch (no KV cache) in float32.
+
+  It rounds like neither decoding path, so it can side with either. The float32 copy of a bf16 or
+  fp16 target is made on the first difference only and kept for the arbiter's life."""
+
+  def __init__(self, target: Target):
+    self.target = target
+    self.dtype = next(target.model.parameters()).dtype  # the dtype both decoding paths ran in
+    self.model = None
+    self.kind = None
+
+  def _model(self):
+    if self.model is not None:
+      return self.model
+    model = self.target.model
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    dev = self.target.device
+    fits = nbytes <= F32_ARBITER_MAX_BYTES and (
+        dev.type != "cuda" or torch.cuda.mem_get_info(dev)[0] > 2 * nbytes)  # copy + activations
+    if self.dtype == torch.float32 or not fits:
+      self.model, self.kind = model, f"the target in {str(self.dtype).removeprefix('torch.')}"
+    else:
+      self.model, self.kind = copy.deepcopy(model).float(), "a float32 copy of the target"
+    log.info("near-tie arbiter: %s", self.kind)
+    return self.model
+
+  def judge(self, ids: Sequence[int], speculative: int, target_token: int) -> tuple[float, float]:
+    """-> (logit[target_token] - logit[speculative], tolerance) for the token after `ids`."""
+    if self.dtype not in TIE_TOLERANCE:
+      raise TargetError(f"no near-tie tolerance for a {self.dtype} target: add one to "
+                        "bridge.spec_decode.TIE_TOLERANCE, measured as the comment there says")
+    model = self._model()
+    keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    kw = {"logits_to_keep": 1} if keep else {}  # [V] logits, not [T, V]
+    with torch.inference_mode():
+      ids_t = torch.as_tensor([list(ids)], device=self.target.device, dtype=torch.long)
+      logits = model(input_ids=ids_t, use_cache=False, **kw).logits[0, -1].float()
+    margin = float(logits[target_token] - logits[speculative])
+    return margin, TIE_TOLERANCE[self.dtype] * float(logits.abs().max())
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_lossless(decoder: TargetDecoder, arbiter: TieArbiter, prompt_ids: Sequence[int],
+                   speculative: Sequence[int], reference: Sequence[int], *, max_new_tokens: int,
+                   eos_ids=()) -> LosslessCheck:
+  """Greedy speculative tokens against the target-only greedy `reference` of the same prompt.
+
+  At the first difference d: a near-tie of the target (arbiter) is recorded, and the reference is
+  decoded again forced through the speculative token (prompt + speculative[:d+1]) up to its next
+  difference; anything else, or too many near-ties, is the mismatch."""
+  prompt_ids, spec, ref = list(prompt_ids), list(speculative), list(reference)
+  max_ties = 1 + int(MAX_TIE_FRACTION * max_new_tokens)
+  ties: list[Divergence] = []
+  while (d := first_difference(spec, ref)) is not None:
+    s, t = _at(spec, d), _at(ref, d)
+    if s is None or t is None:
+      return LosslessCheck(ties, Divergence(d, s, t, reason="one output ended before the other"))
+    margin, tol = arbiter.judge(prompt_ids + spec[:d], s, t)
+    div = Divergence(d, s, t, margin, tol)
+    if abs(margin) > tol:
+      div.reason = f"not a near-tie: |margin| {abs(margin):.3g} > tolerance {tol:.3g}"
+      return LosslessCheck(ties, div)
+    if len(ties) == max_ties:
+      div.reason = (f"more than {max_ties} near-ties in {max_new_tokens} tokens: rounding flips "
+                    "~3% of positions in bf16, this many is a systematic error")
+      return LosslessCheck(ties, div)
+    ties.append(div)
+    forced = spec[:d + 1]
+    done = _finish(forced, max_new_tokens, set(eos_ids))[1]  # the tie token was eos or the last
+    rest = [] if done else target_generate(
+        decoder, prompt_ids + forced, max_new_tokens=max_new_tokens - d - 1, eos_ids=eos_ids,
+        until_differs=spec[d + 1:]).tokens
+    ref = forced + rest
+  return LosslessCheck(ties, None)
+
+
+def _at(tokens: Sequence[int], i: int):
+  return tokens[i] if i < len(tokens) else None

@@ -102,7 +102,9 @@ def test_lossless_untrained_drafter(tiny_target):
   cfg, graphdef, params = tiny_drafter()
   report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS,
                                  max_new_tokens=16, progress=False)
-  assert report["lossless"] == {"checked": True, "passed": True, "mismatches": []}
+  # f32 target: exactly equal, not even a near-tie.
+  assert report["lossless"] == {"checked": True, "passed": True, "ties": [], "mismatches": [],
+                                "arbiter": None}
   assert report["num_prompts"] == 3 and report["verify_steps"] > 0
   for p, row in zip(TINY_PROMPTS, report["per_prompt"]):
     assert row["new_tokens"] == 16 and row["target_new_tokens"] == 16
@@ -179,16 +181,169 @@ def test_finish_cuts_at_eos_and_max():
   assert spec_decode._finish([4, 5], 3, {2}) == ([4, 5], False)
 
 
-def test_lossless_failure_is_reported():
-  row = dict(prompt=0, new_tokens=3, target_new_tokens=3, accepted=[0, 1], tau=1.5,
-             speculative_seconds=1.0, target_seconds=1.0, first_difference=2,
-             _spec=[1, 2, 3], _ref=[1, 2, 4])
-  r = evaluate.summarize([row], block_size=4, max_new_tokens=3, temperature=0.0, target_name="t")
+def test_lossless_report_lists_ties_and_mismatches():
+  tie = dict(prompt=0, position=1, speculative=7, target=9, margin=2e-6, tolerance=1e-4,
+             reason="")
+  bad = dict(prompt=1, position=2, speculative=3, target=4, margin=1.5, tolerance=1e-4,
+             reason="not a near-tie: |margin| 1.5 > tolerance 0.0001")
+  row = lambda i, **kw: dict(prompt=i, new_tokens=3, target_new_tokens=3, accepted=[0, 1], tau=1.5,
+                             speculative_seconds=1.0, target_seconds=2.0, **kw)
+  rows = [row(0, ties=[tie], mismatch=None, target_cached=True),
+          row(1, ties=[], mismatch=bad, target_cached=False)]
+  r = evaluate.summarize(rows, block_size=4, max_new_tokens=3, temperature=0.0, target_name="t",
+                         arbiter="the target in float32")
   assert r["lossless"]["passed"] is False
-  assert r["lossless"]["mismatches"] == [{"prompt": 0, "position": 2, "speculative": 3, "target": 4}]
-  assert "FAILED" in evaluate.format_report(r) and "new token 2" in evaluate.format_report(r)
-  assert evaluate.first_difference([1, 2], [1, 2, 3]) == 2
-  assert evaluate.first_difference([1, 2], [1, 2]) is None
+  assert r["lossless"]["ties"] == [tie] and r["lossless"]["mismatches"] == [bad]
+  assert r["tokens_per_second"]["target_only_cached"] == 1
+  text = evaluate.format_report(r)
+  assert "FAILED on 1 of 2 prompts" in text and "prompt 1 new token 2" in text and "1.5" in text
+  assert "1 near-ties" in text and "prompt 0 new token 1: speculative 7, target 9" in text
+  assert "1 of 2 references cached" in text
+  # Only ties: passed.
+  r = evaluate.summarize(rows[:1], block_size=4, max_new_tokens=3, temperature=0.0,
+                         target_name="t", arbiter="the target in float32")
+  assert r["lossless"]["passed"] is True and "passed" in evaluate.format_report(r)
+  assert spec_decode.first_difference([1, 2], [1, 2, 3]) == 2
+  assert spec_decode.first_difference([1, 2], [1, 2]) is None
+
+
+# ---- the lossless check: a broken verifier fails, a near-tie passes --------------------------------
+
+def _accept_one_more(real):
+  def accept(draft, logits, **kw):  # verify off by one: takes the first wrong draft token too
+    acc, bonus = real(draft, logits, **kw)
+    return (acc + 1, int(logits[acc + 1].argmax())) if acc < len(draft) else (acc, bonus)
+  return accept
+
+
+def _runner_up_bonus(real):
+  def accept(draft, logits, **kw):  # the closest wrong token there is: the target's second best
+    acc, _ = real(draft, logits, **kw)
+    return acc, int(logits[acc].topk(2).indices[1])
+  return accept
+
+
+def _crop_keeps_rejected(real):
+  def crop(self, length):  # rolls the cache back one position short: a rejected draft stays
+    return real(self, min(length + 1, self.length))
+  return crop
+
+
+@pytest.mark.parametrize("broken", ["accept_one_more", "runner_up_bonus", "crop_keeps_rejected"])
+def test_broken_verifier_fails_with_a_mismatch(tiny_target, monkeypatch, broken):
+  if broken == "crop_keeps_rejected":
+    monkeypatch.setattr(spec_decode.TargetDecoder, "crop",
+                        _crop_keeps_rejected(spec_decode.TargetDecoder.crop))
+  else:
+    wrap = {"accept_one_more": _accept_one_more, "runner_up_bonus": _runner_up_bonus}[broken]
+    monkeypatch.setattr(spec_decode, "accept", wrap(spec_decode.accept))
+  cfg, graphdef, params = tiny_drafter()
+  report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS[2:],
+                                 max_new_tokens=12, progress=False)
+  ll = report["lossless"]
+  assert ll["passed"] is False and ll["ties"] == []
+  m = ll["mismatches"][0]
+  assert m["position"] == report["per_prompt"][0]["first_difference"]
+  assert m["speculative"] != m["target"] and m["margin"] > m["tolerance"] > 0
+  assert m["reason"].startswith("not a near-tie")
+  assert ll["arbiter"] == "the target in float32"
+
+
+def test_near_tie_is_reported_and_passes(tiny_target, monkeypatch):
+  """A target whose two best logits at new token d are 3e-6 x max|logit| apart (inside the f32
+  tolerance 1e-5, far outside f32 noise), and a verify block that rounds the other way there."""
+  import copy
+  prompt = TINY_PROMPTS[2]
+  ref = greedy_reference(tiny_target.model, prompt, 16)
+  d = next(i for i in range(2, 16) if ref[i] not in ref[:i])  # a is new at d: the prefix stands
+  a = ref[d]
+  b = VOCAB - 2 if a != VOCAB - 2 else VOCAB - 3
+  model = copy.deepcopy(tiny_target.model)
+  with torch.inference_mode():
+    ctx = torch.tensor([prompt + ref[:d]])
+    h = model.model(ctx).last_hidden_state[0, -1]  # what the LM head sees at new token d
+    scale = float(model(ctx).logits[0, -1].abs().max())
+  delta = 3e-6 * scale
+  with torch.no_grad():  # logit[b] = logit[a] - delta at new token d
+    model.lm_head.weight[b] = model.lm_head.weight[a] - delta * h / h.dot(h)
+  tie_target = Target(model, TinyTokenizer(), "tiny-tie")
+
+  real_verify = spec_decode.TargetDecoder.verify
+
+  def verify(self, block_ids, *, capture=True):
+    logits, feats = real_verify(self, block_ids, capture=capture)
+    row = len(prompt) + d - 1 - (self.length - len(block_ids))  # the row predicting new token d
+    if len(block_ids) > 1 and 0 <= row < len(block_ids):  # the speculative path's blocks only
+      logits = logits.clone()
+      logits[row, b] += 2.5 * delta  # rounding noise of the block forward: b now wins
+    return logits, feats
+
+  monkeypatch.setattr(spec_decode.TargetDecoder, "verify", verify)
+  cfg, graphdef, params = tiny_drafter()
+  report = evaluate.evaluate_tau(tie_target, cfg, graphdef, params, [prompt], max_new_tokens=16,
+                                 progress=False)
+  ll = report["lossless"]
+  assert ll["passed"] is True and ll["mismatches"] == []
+  assert report["per_prompt"][0]["first_difference"] == d
+  (tie,) = ll["ties"]
+  assert (tie["prompt"], tie["position"], tie["speculative"], tie["target"]) == (0, d, b, a)
+  np.testing.assert_allclose(tie["margin"], delta, rtol=0.1)  # the f32 weights round it
+  np.testing.assert_allclose(tie["tolerance"], 1e-5 * scale, rtol=1e-3)
+  # The check went on past the tie: the rest of the speculative output is the target's greedy
+  # continuation of prompt + the speculative tokens up to and including the tie.
+  assert report["per_prompt"][0]["new_tokens"] == 16
+  assert "1 near-ties" in evaluate.format_report(report)
+
+
+def test_reference_cache_decodes_the_target_once(tiny_target, monkeypatch):
+  calls = []
+  real = spec_decode.target_generate
+
+  def counting(*a, **kw):
+    calls.append(kw["max_new_tokens"])
+    return real(*a, **kw)
+
+  monkeypatch.setattr(spec_decode, "target_generate", counting)
+  cfg, graphdef, params = tiny_drafter()
+  cache = {}
+  run = lambda n: evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS[:2],
+                                        max_new_tokens=n, progress=False, reference_cache=cache)
+  first = run(8)
+  assert calls == [2, 8, 8] and len(cache) == 2  # warm-up, then one decode per prompt
+  assert first["tokens_per_second"]["target_only_cached"] == 0
+  second = run(8)
+  assert calls == [2, 8, 8]  # nothing decoded by the target alone, not even the warm-up
+  assert second["tokens_per_second"]["target_only"] == first["tokens_per_second"]["target_only"]
+  assert second["tokens_per_second"]["target_only_cached"] == 2
+  assert [r["target_cached"] for r in second["per_prompt"]] == [True, True]
+  assert "2 of 2 references cached" in evaluate.format_report(second)
+  assert second["lossless"]["passed"] is True
+  run(6)  # another length is another reference
+  assert calls[3:] == [2, 6, 6] and len(cache) == 4
+
+
+def test_training_run_decodes_the_reference_once(tiny_target_dir, sharegpt_sample, tmp_path,
+                                                 monkeypatch):
+  """trainer.train's evaluate closure keeps one reference cache for the run (eval_every)."""
+  from jax_drafter import trainer
+  from jax_drafter.config import load_config
+  calls = []
+  real = spec_decode.target_generate
+  monkeypatch.setattr(spec_decode, "target_generate",
+                      lambda *a, **kw: calls.append(kw["max_new_tokens"]) or real(*a, **kw))
+  cfg = load_config(None, [
+      f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}", "data.max_conversations=40",
+      "data.held_out=2", "data.seq_len=96", "data.batch_size=2", "data.cache_dir=null",
+      "drafter.num_hidden_layers=1", "drafter.block_size=4", "train.num_anchors=4",
+      "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=4",
+      "train.tensorboard=false", "train.eval_every=2", "train.eval_prompts=2",
+      "train.eval_max_new_tokens=5", f"train.output_dir={tmp_path / 'run'}"])
+  summary = trainer.train(cfg)
+  assert [e["step"] for e in summary["evaluations"]] == [2, 4]
+  assert all(e["lossless"] is True and e["near_ties"] == 0 for e in summary["evaluations"])
+  n = summary["eval_report"]["num_prompts"]  # usable held-out prompts (short enough, a user turn)
+  assert n >= 1 and calls == [2] + [5] * n  # the first evaluation's warm-up and references only
+  assert summary["eval_report"]["tokens_per_second"]["target_only_cached"] == n
 
 
 # ---- inference.py == Drafter.__call__ ------------------------------------------------------------
@@ -234,7 +389,8 @@ def test_temperature_sampling_end_to_end(tiny_target):
   cfg, graphdef, params = tiny_drafter()
   report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS[:1],
                                  max_new_tokens=8, temperature=0.7, progress=False)
-  assert report["lossless"] == {"checked": False, "passed": None, "mismatches": []}
+  assert report["lossless"] == {"checked": False, "passed": None, "ties": [], "mismatches": [],
+                                "arbiter": None}
   assert 1.0 <= report["tau"] <= 4 and report["per_prompt"][0]["new_tokens"] == 8
 
 

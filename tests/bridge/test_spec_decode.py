@@ -1,0 +1,110 @@
+"""The lossless check's pieces: the float32 tie arbiter and the bounds of check_lossless.
+
+The end-to-end cases (a broken verifier fails, a constructed near-tie passes, the reference cache)
+are in tests/jax_drafter/test_evaluate.py, through evaluate_tau.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from bridge import spec_decode
+from bridge.target import Target
+
+VOCAB = 64
+
+
+class _Tokenizer:
+  """Target only asks a tokenizer for its length; the check works on token ids."""
+
+  def __len__(self):
+    return VOCAB
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+  from transformers import LlamaConfig, LlamaForCausalLM
+  torch.manual_seed(1)
+  conf = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  return LlamaForCausalLM(conf).float().eval()
+
+
+PROMPT = [3, 14, 15, 9, 26, 5]
+
+
+def test_arbiter_recomputes_a_bf16_target_in_float32(tiny_llama):
+  # The bf16 target's weights (and float buffers: RoPE's inv_freq is cast with the model), held
+  # exactly in float32: what the arbiter must compute with.
+  want_model = copy.deepcopy(tiny_llama)
+  with torch.no_grad():
+    for p in [*want_model.parameters(), *want_model.buffers()]:
+      if p.is_floating_point():
+        p.copy_(p.to(torch.bfloat16).float())
+  target = Target(copy.deepcopy(want_model).to(torch.bfloat16), _Tokenizer(), "tiny-bf16")
+  with torch.inference_mode():
+    want = want_model(torch.tensor([PROMPT])).logits[0, -1]
+    got16 = target.model(torch.tensor([PROMPT])).logits[0, -1].float()
+  s, t = want.topk(2).indices.tolist()
+  arbiter = spec_decode.TieArbiter(target)
+  margin, tol = arbiter.judge(PROMPT, s, t)
+  np.testing.assert_allclose(margin, float(want[t] - want[s]), atol=1e-6)
+  np.testing.assert_allclose(tol, 5e-2 * float(want.abs().max()), rtol=1e-6)
+  assert arbiter.kind == "a float32 copy of the target"
+  # Not the bf16 forward's numbers, and the target itself stays bf16 (it was copied, not cast).
+  assert abs(float(got16[t] - got16[s]) - margin) > 1e-4
+  assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
+
+
+def _greedy(model, ids, n):
+  seq = list(ids)
+  with torch.inference_mode():
+    for _ in range(n):
+      seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+  return seq[len(ids):]
+
+
+class _AlwaysTie:
+  """A stand-in arbiter that calls every difference a near-tie: only the bound can stop it."""
+  kind = "stand-in"
+
+  def judge(self, ids, speculative, target_token):
+    return 0.0, 1.0
+
+
+def test_check_lossless_bounds_ties_and_catches_truncation(tiny_llama):
+  target = Target(tiny_llama, _Tokenizer(), "tiny")
+  decoder = spec_decode.TargetDecoder(target)
+  ref = _greedy(tiny_llama, PROMPT, 16)
+  check = lambda spec, arbiter: spec_decode.check_lossless(
+      decoder, arbiter, PROMPT, spec, ref, max_new_tokens=16)
+  real = spec_decode.TieArbiter(target)
+  assert check(ref, real) == spec_decode.LosslessCheck([], None)
+  # An output cut short is a mismatch, never a tie (there is no token to compare).
+  m = check(ref[:-1], real).mismatch
+  assert (m.position, m.speculative, m.target, m.margin) == (15, None, ref[15], None)
+  # Every token wrong, every difference "a tie": after 1 + 16 // 8 ties the check fails. Each tie
+  # forces the reference through the speculative token, so the next difference is the next one.
+  wrong = [(t + 1) % VOCAB for t in ref]
+  result = check(wrong, _AlwaysTie())
+  assert [t.position for t in result.ties] == [0, 1, 2]
+  assert result.mismatch.position == 3 and "more than 3 near-ties" in result.mismatch.reason
+  # With the real arbiter the same output fails at once, on a margin far outside f32 noise.
+  result = check(wrong, real)
+  assert result.ties == [] and result.mismatch.position == 0
+  assert result.mismatch.margin > 1e3 * result.mismatch.tolerance
+
+
+def test_target_generate_stops_at_the_first_difference(tiny_llama):
+  decoder = spec_decode.TargetDecoder(Target(tiny_llama, _Tokenizer(), "tiny"))
+  ref = _greedy(tiny_llama, PROMPT, 12)
+  expected = ref[:5] + [(ref[5] + 1) % VOCAB] + ref[6:]
+  got = spec_decode.target_generate(decoder, PROMPT, max_new_tokens=12, until_differs=expected)
+  assert got.tokens == ref[:6]
+  assert spec_decode.target_generate(decoder, PROMPT, max_new_tokens=12,
+                                     until_differs=ref).tokens == ref
