@@ -172,7 +172,8 @@ class _JaxProposer:
 def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, *,
                  max_new_tokens: int, block_size: int | None = None, temperature: float = 0.0,
                  seed: int = 0, progress: bool = True, proposer=None,
-                 frozen: dict | None = None, reference_cache: dict | None = None) -> dict:
+                 frozen: dict | None = None, reference_cache: dict | None = None,
+                 reference: str = "batched", speed_prompts: int = 4) -> dict:
   """Speculative decoding of every prompt (list of messages ending with a user turn, or token ids)
   plus the target alone on the same prompts. -> report dict (see `summarize`).
 
@@ -182,7 +183,14 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
   `reference_cache`: target-only generations by (prompt ids, max_new_tokens, temperature, seed),
   filled and reused: a frozen target's reference never changes, so repeated evaluations (the
   training loop's) decode it once. One dict per target. Cached rows report the first timing.
+  `reference`: how the target-only greedy outputs are made. "decode": one token per forward with
+  the same cache code as the verify steps, every prompt timed (the speed baseline). "batched":
+  the first `speed_prompts` prompts as "decode" (timed: the baseline tokens/s), all others in
+  length-sorted batches by bridge.generation (seconds instead of minutes; untimed). Sampling
+  (temperature > 0) always decodes.
   """
+  if reference not in ("batched", "decode"):
+    raise EvaluationError(f"reference={reference!r} must be 'batched' or 'decode'")
   K = block_size or cfg.block_size
   if not 2 <= K <= cfg.block_size:
     raise EvaluationError(f"block size {K} must be in [2, {cfg.block_size}]: the drafter was "
@@ -222,6 +230,8 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                                    block_size=K, seed=seed, **kw)
   if any(k not in cache for k in keys):
     spec_decode.target_generate(decoder, ids[0][:32], max_new_tokens=2, seed=seed, **kw)
+  if reference == "batched" and temperature <= 0:
+    _batched_references(target, ids, keys, cache, eos, max_new_tokens, skip=speed_prompts)
   arbiter = spec_decode.TieArbiter(target)  # copies the target to f32 only on a first difference
   rows = []
   it = ids
@@ -258,6 +268,20 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                    target_name=target.name, arbiter=arbiter.kind)
 
 
+def _batched_references(target: Target, ids, keys, cache, eos, max_new_tokens, *, skip: int):
+  """Greedy target outputs of prompts skip.. (not yet cached) in batches; seconds None (untimed)."""
+  from bridge import generation
+  todo = [i for i in range(skip, len(ids)) if keys[i] not in cache]
+  if not todo:
+    return
+  pad = getattr(target.tokenizer, "pad_token_id", None)
+  pad = min(eos) if pad is None else pad
+  for k, new in generation.generate_many(target.model, [ids[i] for i in todo],
+                                         max_new_tokens=max_new_tokens, stop_ids=set(eos),
+                                         pad_id=pad):
+    cache[keys[todo[k]]] = spec_decode.Generation(new, seconds=None)
+
+
 def _divergence(prompt: int, d: spec_decode.Divergence) -> dict:
   return {"prompt": prompt, **dataclasses.asdict(d)}
 
@@ -281,9 +305,10 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
     for a in r["accepted"]:
       hist[a + 1] += 1
   spec_s = sum(r["speculative_seconds"] for r in rows)
-  ref_s = sum(r["target_seconds"] for r in rows)
+  timed = [r for r in rows if r["target_seconds"] is not None]  # batched references are untimed
+  ref_s = sum(r["target_seconds"] for r in timed)
   spec_tps = sum(r["new_tokens"] for r in rows) / spec_s if spec_s else None
-  ref_tps = sum(r["target_new_tokens"] for r in rows) / ref_s if ref_s else None
+  ref_tps = sum(r["target_new_tokens"] for r in timed) / ref_s if ref_s else None
   checked = temperature <= 0
   mismatches = [r["mismatch"] for r in rows if r["mismatch"]]
   return {
@@ -296,7 +321,8 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
       # Cached target-only rows carry the timing of the evaluation that decoded them.
       "tokens_per_second": {"speculative": spec_tps, "target_only": ref_tps,
                             "speedup": spec_tps / ref_tps if spec_tps and ref_tps else None,
-                            "target_only_cached": sum(bool(r.get("target_cached")) for r in rows)},
+                            "target_only_cached": sum(bool(r.get("target_cached")) for r in rows),
+                            "target_only_timed_prompts": len(timed)},
       "lossless": {"checked": checked, "passed": (not mismatches) if checked else None,
                    "ties": [t for r in rows for t in r["ties"]], "mismatches": mismatches,
                    "arbiter": arbiter},
@@ -358,6 +384,11 @@ def _parse(argv):
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--block-size", type=int, help="default: the trained block size")
   p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--reference", choices=("batched", "decode"), default="batched",
+                 help="target-only outputs for the lossless check: batched (fast; the first "
+                      "--speed-prompts prompts are decoded one token at a time for the tokens/s "
+                      "baseline) or decode (every prompt one token at a time)")
+  p.add_argument("--speed-prompts", type=int, default=4)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", help="write the report here")
   args = p.parse_args(argv)
@@ -402,7 +433,8 @@ def main(argv=None) -> int:
                             "turn); pass --prompts FILE.jsonl")
     report = evaluate_tau(target, cfg, graphdef, params, prompts,
                           max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                          temperature=args.temperature, seed=args.seed)
+                          temperature=args.temperature, seed=args.seed,
+                          reference=args.reference, speed_prompts=args.speed_prompts)
   except (EvaluationError, ConfigError, TargetError, data_lib.DataError, FileNotFoundError,
           ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
