@@ -303,7 +303,10 @@ class TieArbiter:
     if self.dtype == torch.float32 or not fits:
       self.model, self.kind = model, f"the target in {str(self.dtype).removeprefix('torch.')}"
     else:
-      self.model, self.kind = copy.deepcopy(model).float(), "a float32 copy of the target"
+      # nn.Module.float, not the model's: transformers refuses `.float()` on a model it loaded
+      # from GGUF (flagged "quantized" although its weights are dequantized, plain tensors).
+      self.model = torch.nn.Module.float(copy.deepcopy(model))
+      self.kind = "a float32 copy of the target"
     log.info("near-tie arbiter: %s", self.kind)
     return self.model
 

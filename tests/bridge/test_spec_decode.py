@@ -108,3 +108,17 @@ def test_target_generate_stops_at_the_first_difference(tiny_llama):
   assert got.tokens == ref[:6]
   assert spec_decode.target_generate(decoder, PROMPT, max_new_tokens=12,
                                      until_differs=ref).tokens == ref
+
+
+def test_arbiter_copies_a_gguf_target_to_float32():
+  """transformers flags GGUF-loaded models as quantized and refuses `.float()` on them (seen on
+  the H200 with the bf16 default target): the arbiter's copy must still be made."""
+  from bridge.target import load_target
+  target = load_target(None, dtype="bfloat16", device="cpu")
+  arbiter = spec_decode.TieArbiter(target)
+  ids = target.tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+  margin, tol = arbiter.judge(ids, 5, 7)
+  assert arbiter.kind == "a float32 copy of the target"
+  assert next(arbiter.model.parameters()).dtype == torch.float32
+  assert next(target.model.parameters()).dtype == torch.bfloat16  # the target itself untouched
+  assert tol > 0 and margin == margin
