@@ -9,9 +9,11 @@ One set of weights (from a seed, a run's checkpoint or a z-lab directory), one b
 features, packed rows of two documents, anchors incl. invalid blocks, labels) given to both.
 Prints per-layer hidden states, final hidden, logits on a sample, loss, accuracy, tau estimate and
 every parameter gradient with max-abs and relative error, PASS/FAIL against TOLERANCES; then K
-training steps (optax AdamW vs torch.optim.AdamW, same schedule and clipping) side by side.
-Exit status 1 on any FAIL. torch and JAX meet only through bridge/ (weights via numpy, tensors via
-bridge.handoff).
+training steps on that batch side by side: the real jitted train step (step.make_train_step, its
+anchors, optimizer and non-finite guard) vs torch.optim.AdamW with the same schedule, clipping and
+weight-decay mask on the same anchors. Exit status 1 on any FAIL. torch and JAX meet only through
+bridge/ (weights via numpy, tensors via bridge.handoff). Both sides trained for hundreds of steps on
+real data, with tau at the end: jax_drafter.tools.learn_parity.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
     micro_j = {k: put(v, k) for k, v in micro_t.items()}
     frozen_j = {k: put(v, k) for k, v in frozen_t.items()}
     params = jax.device_put(params, jax_dev)
+    batch_j = {k: v[None] for k, v in micro_j.items()}   # the train step's [A=1, B, ...] layout
 
   _progress("batch drawn and imported into JAX")
   model = ref.build_reference(cfg, device=dev, compute_dtype=tcd, attention=args.torch_attention)
@@ -210,14 +213,15 @@ def main(argv=None) -> int:
   del flat
   _progress("weights copied into the PyTorch reference")
 
-  def anchors_for(i):
-    a, v = objective.sample_anchors(jax.random.key(args.seed * 1000 + i), micro_j["loss_mask"],
-                                    micro_j["doc_id"], N)
-    a, v = np.array(a), np.array(v)
-    return (jnp.asarray(a), jnp.asarray(v)), (torch.from_numpy(a).to(dev), torch.from_numpy(v).to(dev))
+  jax_grads, jax_layers, train_step, anchors_fn = compiled_fns(graphdef, cfg, t,
+                                                               tuple(sorted(attn.items())))
+  # The trajectory is the real train step; the torch side gets the anchors that step samples.
+  rng = np.asarray(jax.random.key_data(jax.random.key(args.seed)))
 
-  jax_step, jax_layers = compiled_fns(graphdef, cfg, t, tuple(sorted(attn.items())))
-  opt = step.make_optimizer(t)
+  def anchors_for(i):
+    a, v = anchors_fn(rng, i, batch_j["loss_mask"], batch_j["doc_id"], N)
+    a, v = np.array(a[0]), np.array(v[0])
+    return (jnp.asarray(a), jnp.asarray(v)), (torch.from_numpy(a).to(dev), torch.from_numpy(v).to(dev))
 
   @jax.jit
   def err(a, b):
@@ -243,16 +247,19 @@ def main(argv=None) -> int:
     rows.append(dict(name=name, max_abs=mx, rel=rel, tol=lim, ok=bool(ok)))
 
   topt = torch_adamw(model, t)
-  lrs = np.asarray(step.learning_rate(t, jnp.arange(max(args.steps, 1))))
   # Committed like the step's outputs, so that steps 1.. reuse the program compiled for step 0.
-  p, s, curve = params, jax.device_put(opt.init(params), jax_dev), []
+  state = jax.device_put(step.TrainState(jnp.zeros((), jnp.int32), params,
+                                         step.make_optimizer(t).init(params), rng), jax_dev)
+  del params                                        # donated with the state at the first step
+  curve = []
   with jax.default_matmul_precision("highest" if args.dtype == "float32" else None), ref.no_tf32():
     for i in range(max(args.steps, 1)):
       aj, at = anchors_for(i)
-      outs_j = jax_layers(p, aj, micro_j, frozen_j) if i == 0 else None
-      p, s, loss_j, sums_j, h_j, g_j = jax_step(p, s, aj, micro_j, frozen_j)
-      jax.block_until_ready(loss_j)
-      _progress(f"step {i}: JAX done")
+      if i == 0:   # gradients and layer outputs on the initial weights, for the table
+        outs_j = jax_layers(state.params, aj, micro_j, frozen_j)
+        loss_j, sums_j, h_j, g_j = jax_grads(state.params, aj, micro_j, frozen_j)
+        jax.block_until_ready(loss_j)
+        _progress("step 0: JAX gradients done")
       sums_t, (_, h_t, outs_t) = ref.micro_sums(model, micro_t, frozen_t, *at,
                                                 gamma=t.loss_decay_gamma,
                                                 chunk_size=t.ce_chunk_size, return_aux=True)
@@ -280,12 +287,14 @@ def main(argv=None) -> int:
                              tol=tol["grad"], ok=False))
           else:
             compare(f"grad.{k}", gj, grads_t[k], "grad", transpose=gj.ndim == 2)
-        del grads_t
-      del g_j, outs_j
+        del grads_t, g_j, outs_j   # before the step: its own gradients need the memory
       if not args.steps:
         break
-      torch_update(model, topt, t, float(lrs[i]))
-      curve.append((float(loss_j), float(loss_t.detach())))
+      state, metrics = train_step(state, batch_j, frozen_j)
+      loss_j = float(metrics["loss"])
+      _progress(f"step {i}: JAX train step done")
+      torch_update(model, topt, t, torch_lr(t, i))
+      curve.append((loss_j, float(loss_t.detach())))
 
   for i, (lj, lt) in enumerate(curve):
     rel = abs(lj - lt) / max(abs(lt), 1e-30)
@@ -304,31 +313,30 @@ def main(argv=None) -> int:
 
 @functools.cache
 def compiled_fns(graphdef, cfg, t, attn_items):
-  """(jax_step, jax_layers), jitted; cached on the static arguments so that repeated in-process
-  runs (the tests) with the same shapes reuse the compiled programs."""
+  """(jax_grads, jax_layers, train_step, anchors), jitted; cached on the static arguments so that
+  repeated in-process runs (the tests) with the same shapes reuse the compiled programs.
+
+  train_step is the real one (step.make_train_step + jit_train_step: anchors sampled inside from
+  fold_in(rng, step), step.make_optimizer, the non-finite guard); `anchors` repeats its sampling
+  for the torch side (step_anchors)."""
   import jax
   import jax.numpy as jnp
-  import optax
   from flax import nnx
 
   from jax_drafter import objective, step
   attn = dict(attn_items)
   jcd = step.DTYPE[t.compute_dtype]
-  opt = step.make_optimizer(t)
 
   def jax_loss(p, anchors, micro, frozen):
     sums, (_, h, _, _) = step.micro_sums(graphdef, p, micro, frozen, None, cfg=cfg, t=t,
                                          attn_impl=attn, return_aux=True, anchors=anchors)
     return sums.wce / jnp.maximum(sums.w, 1e-9), (sums, h)
 
-  # Params and optimizer state are donated (at 27B-drafter shapes they are ~28 GB); batch and
-  # frozen arrays are DLPack imports that torch owns: never donated.
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def jax_step(p, s, anchors, micro, frozen):
-    """The train step of step.make_train_step (one micro-batch), with explicit anchors."""
+  # Batch and frozen arrays are DLPack imports that torch owns: never donated.
+  @jax.jit
+  def jax_grads(p, anchors, micro, frozen):
     (loss, (sums, h)), g = jax.value_and_grad(jax_loss, has_aux=True)(p, anchors, micro, frozen)
-    u, s = opt.update(g, s, p)
-    return optax.apply_updates(p, u), s, loss, sums, h, g
+    return loss, sums, h, g
 
   @jax.jit
   def jax_layers(p, anchors, micro, frozen):
@@ -342,7 +350,27 @@ def compiled_fns(graphdef, cfg, t, attn_items):
                                      blocks.block_valid, attn_impl=attn, return_layers=True)
     return outs
 
-  return jax_step, jax_layers
+  # The state (params and optimizer state, ~28 GB at 27B-drafter shapes) is donated.
+  train_step = step.jit_train_step(step.make_train_step(graphdef, cfg, t, step.make_optimizer(t),
+                                                        attn))
+  return jax_grads, jax_layers, train_step, jax.jit(step_anchors, static_argnums=(4,))
+
+
+def step_anchors(rng_data, step: int, loss_mask_AxBxS, doc_id_AxBxS, num_anchors: int):
+  """The anchors the train step samples at optimizer step `step`: [A, B, N] anchors and validity.
+
+  Repeats step.make_train_step's derivation (key = fold_in(wrap(rng), step), micro-batch i uses
+  fold_in(key, i)) with the same objective.sample_anchors, so that the real step runs unchanged
+  and torch sees the same anchors. If the two ever drift apart, the losses differ from the first
+  step on and parity fails.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax_drafter import objective
+  key = jax.random.fold_in(jax.random.wrap_key_data(rng_data), step)
+  out = [objective.sample_anchors(jax.random.fold_in(key, i), loss_mask_AxBxS[i], doc_id_AxBxS[i],
+                                  num_anchors) for i in range(loss_mask_AxBxS.shape[0])]
+  return jnp.stack([a for a, _ in out]), jnp.stack([v for _, v in out])
 
 
 def torch_adamw(model, t):
@@ -355,7 +383,22 @@ def torch_adamw(model, t):
                            lr=0.0, betas=(t.b1, t.b2), eps=1e-8)
 
 
-def torch_update(model, topt, t, lr: float):
+def torch_lr(t, i: int) -> float:
+  """The learning rate of update i (0-based), written out for torch: linear warmup from 0 over
+  train.warmup_steps, then cosine to min_lr_ratio * peak at train.steps (step.make_optimizer's
+  optax.warmup_cosine_decay_schedule). Independent of step.learning_rate, so that a change to the
+  JAX schedule shows up as a parity failure instead of reaching both sides."""
+  import math
+  peak, W = t.learning_rate, t.warmup_steps
+  if i < W:
+    return peak * i / W
+  D = max(t.steps, W + 1) - W
+  cosine = 0.5 * (1 + math.cos(math.pi * min(i - W, D) / D))
+  return peak * ((1 - t.min_lr_ratio) * cosine + t.min_lr_ratio)
+
+
+def torch_update(model, topt, t, lr: float) -> float:
+  """optax.clip_by_global_norm then the AdamW step at `lr`. -> the gradient norm before clipping."""
   import torch
   ps = list(model.parameters())
   with torch.no_grad():
@@ -366,6 +409,7 @@ def torch_update(model, topt, t, lr: float):
   for group in topt.param_groups:
     group["lr"] = lr
   topt.step()
+  return float(norm)
 
 
 def print_report(args, cfg, B, S, N, rows, curve, ok):
@@ -377,7 +421,7 @@ def print_report(args, cfg, B, S, N, rows, curve, ok):
     print(f"{r['name']:58s} {r['max_abs']:10.3e} {r['rel']:10.3e} {r['tol']:8.1e}  "
           f"{'PASS' if r['ok'] else 'FAIL'}")
   if curve:
-    print("training loss   step   jax (optax AdamW)   torch (torch.optim.AdamW)")
+    print("training loss   step   jax (train step)    torch (torch.optim.AdamW)")
     for i, (a, b) in enumerate(curve):
       print(f"{'':16s}{i:4d}   {a:18.7f}   {b:18.7f}")
   nfail = sum(not r["ok"] for r in rows)
