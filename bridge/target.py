@@ -96,17 +96,11 @@ class Target:
                           f"{self.info.num_layers} decoder layers (0..{self.info.num_layers - 1})")
 
   @torch.inference_mode()
-  def features(self, input_ids, position_ids, doc_id, layer_ids, *, with_final: bool = False):
+  def features(self, input_ids, position_ids, doc_id, layer_ids) -> torch.Tensor:
     """Concatenated outputs of decoder layers `layer_ids` for packed rows: [B, S, n*H].
 
     Documents packed in one row never see each other: the target gets a block-diagonal causal
     mask built from doc_id and per-document position ids. Layers above max(layer_ids) never run.
-
-    with_final (knowledge distillation): every layer runs, and the same forward also gives the
-    final-normed last hidden state [B, S, H], the input of the LM head (the drafter side computes
-    the teacher's logits from it chunk by chunk, never [S, V] here). Returns (features, final),
-    two separate tensors: each is freshly allocated, contiguous and never written again, as the
-    DLPack handoff requires (extra columns on the features would make the drafter slice them).
     """
     self.check_layer_ids(layer_ids)
     dev = self.device
@@ -117,7 +111,7 @@ class Target:
     causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     mask = (causal[None] & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [B, 1, S, S]
     captured: dict[int, torch.Tensor] = {}
-    last = None if with_final else max(layer_ids)
+    last = max(layer_ids)
     wanted = set(layer_ids)
 
     def hook(index):
@@ -129,30 +123,21 @@ class Target:
       return fn
 
     handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(wanted)]
-    out = None
     try:
-      out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+      self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
     except _StopForward:
       pass
     finally:
       for h in handles:
         h.remove()
-    feats = torch.cat([captured[i] for i in layer_ids], dim=-1).contiguous()
-    if not with_final:
-      return feats
-    # What the CausalLM feeds its LM head (after the final norm). Models that rescale or cap
-    # logits after the head (Gemma's softcapping, Granite's logits_scaling) are not reproduced.
-    return feats, out.last_hidden_state.contiguous()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1).contiguous()
 
-  def stacked_features(self, micros, layer_ids, *, with_final: bool = False):
-    """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H];
-    with_final: (features, final hidden states [A, B, S, H]), see `features`."""
-    outs = [self.features(m["input_ids"], m["position_ids"], m["doc_id"], layer_ids,
-                          with_final=with_final) for m in micros]
-    stack = lambda ts: ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
-    if not with_final:
-      return stack(outs)
-    return stack([f for f, _ in outs]), stack([h for _, h in outs])
+
+  def stacked_features(self, micros, layer_ids) -> torch.Tensor:
+    """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H]."""
+    feats = [self.features(m["input_ids"], m["position_ids"], m["doc_id"], layer_ids)
+             for m in micros]
+    return feats[0].unsqueeze(0) if len(feats) == 1 else torch.stack(feats)
 
 
 def eos_token_ids(model, tokenizer, *, required: bool = False) -> set[int]:

@@ -225,8 +225,6 @@ class TrainSection:
   num_anchors: int = 32             # N per row
   loss_decay_gamma: float | None = 7.0
   ce_chunk_size: int = 1024         # block tokens per LM-head chunk
-  kd_weight: float = 0.0            # a: loss = (1-a) CE + a KD (to the target's distribution)
-  kd_temperature: float = 1.0       # softens the teacher (target) distribution of the KD term only
   remat: str = "none"               # none | layer | full | offload
   compute_dtype: str = "float32"    # activations/matmuls; master weights are always float32
   attention: str | None = None      # dflash_attention implementation (None = best available)
@@ -252,12 +250,6 @@ class TrainSection:
         raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
     if self.warmup_steps < 0 or self.learning_rate <= 0:
       raise ConfigError("train.learning_rate must be > 0 and train.warmup_steps >= 0")
-    if not 0.0 <= self.kd_weight <= 1.0:
-      raise ConfigError(f"train.kd_weight={self.kd_weight} must be in [0, 1] (0: no distillation, "
-                        "1: distillation only)")
-    if not self.kd_temperature > 0:
-      raise ConfigError(f"train.kd_temperature={self.kd_temperature} must be > 0 (1: the target's "
-                        "own distribution)")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """The DFlash training objective as pure functions of arrays (DESIGN.md, "The DFlash contract").
 
 Anchors -> noise blocks -> positions -> labels and decay weights -> chunked cross entropy against
-the frozen LM head (optionally blended with knowledge distillation from the target's own next-token
-distribution) -> loss, accuracy and accepted-length metrics. Letters as in config.py.
+the frozen LM head -> loss, accuracy and accepted-length metrics. Letters as in config.py.
 """
 
 from __future__ import annotations
@@ -172,100 +171,9 @@ def _fused_ce_bwd(compute_dtype, res, cotangents):
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
-def chunked_ce_kd(h_TxD, lm_head_VxD, labels_T, teacher_RxD, teacher_rows_T, *, kd_weight: float,
-                  kd_temperature: float, chunk_size: int, compute_dtype=jnp.float32):
-  """chunked_cross_entropy plus knowledge distillation from the frozen target, in the same pass.
-
-  teacher_RxD: the target's final-normed last hidden states (R rows, e.g. [B*S, D]); token t's
-  teacher is row teacher_rows_T[t] (int32). Per chunk of C tokens: drafter logits z = h W^T,
-  teacher logits u = h_teacher W^T / kd_temperature, q = softmax(u), CE_t = lse(z) - z[y_t],
-  KD_t = -sum_v q_v log softmax(z)_v = lse(z) - sum_v q_v z_v, the argmax, and for the blend
-  loss_t = (1 - a) CE_t + a KD_t (a = kd_weight) the gradient d loss_t / d h_t =
-  (softmax(z) - (1 - a) onehot(y_t) - a q) W. The temperature softens the teacher only: the
-  drafter's own softmax(z) is what speculative decoding drafts from, so that is what is fitted.
-
-  Extra cost over the CE alone: one more [C, D] x [D, V] matmul per chunk (the teacher logits), one
-  [C, V] f32 buffer (u) and the [R, D] teacher input. Teacher rows are gathered inside the chunk,
-  so no [T, D] copy of them exists, and neither do [T, V] (nor [R, V]) logits.
-  Returns (loss, ce, kd f32 [T], pred int32 [T]). Only `loss` carries a gradient, and only to h
-  (the LM head and the teacher are frozen); ce and kd are metrics under stop_gradient, because the
-  backward keeps one saved [T, D] gradient of the blend instead of one per term.
-  """
-  T, D = h_TxD.shape
-  C = ce_chunk_rows(T, chunk_size)
-  pad = (-T) % C
-  h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(-1, C, D)
-  y = jnp.pad(labels_T, (0, pad)).reshape(-1, C)
-  rows = jnp.pad(teacher_rows_T.astype(jnp.int32), (0, pad)).reshape(-1, C)
-  w = jax.lax.stop_gradient(lm_head_VxD)
-  teacher = jax.lax.stop_gradient(teacher_RxD)
-  loss, ce, kd, pred = _fused_ce_kd(h, w, y, teacher, rows, float(kd_weight),
-                                    float(kd_temperature), compute_dtype)
-  cut = lambda x: x.reshape(-1)[:T]
-  return (cut(loss), jax.lax.stop_gradient(cut(ce)), jax.lax.stop_gradient(cut(kd)), cut(pred))
-
-
-def _ce_kd_chunks(h_MxCxD, w_VxD, y_MxC, teacher_RxD, rows_MxC, alpha, temperature, compute_dtype,
-                  with_grad: bool):
-  w = w_VxD.astype(compute_dtype)
-  logits = lambda x_CxD: jnp.matmul(x_CxD.astype(compute_dtype), w.T,
-                                    preferred_element_type=jnp.float32)
-
-  def chunk(args):
-    h_CxD, y_C, rows_C = args
-    logits_CxV = logits(h_CxD)
-    lse = jax.nn.logsumexp(logits_CxV, axis=-1)
-    gold = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
-    pred = jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32)
-    # The teacher's logits u are the one extra [C, V] buffer: q = softmax(u) is recomputed inside
-    # the fusions that read it. 1/temperature scales the [C, D] rows, not the [C, V] logits (a
-    # scaled copy of u would be a second buffer).
-    ht_CxD = jnp.take(teacher_RxD, rows_C, axis=0).astype(jnp.float32) / temperature
-    u_CxV = logits(ht_CxD)
-    q_CxV = jnp.exp(u_CxV - jax.nn.logsumexp(u_CxV, axis=-1)[:, None])
-    ce = lse - gold
-    kd = lse - jnp.sum(q_CxV * logits_CxV, axis=-1)
-    loss = (1.0 - alpha) * ce + alpha * kd
-    if not with_grad:
-      return loss, ce, kd, pred
-    dlogits = jnp.exp(logits_CxV - lse[:, None]) - alpha * q_CxV
-    dlogits = dlogits - (1.0 - alpha) * jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
-    dh_CxD = jnp.matmul(dlogits.astype(compute_dtype), w, preferred_element_type=jnp.float32)
-    return loss, ce, kd, pred, dh_CxD
-
-  return jax.lax.map(chunk, (h_MxCxD, y_MxC, rows_MxC))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fused_ce_kd(h_MxCxD, w_VxD, y_MxC, teacher_RxD, rows_MxC, alpha, temperature, compute_dtype):
-  return _ce_kd_chunks(h_MxCxD, w_VxD, y_MxC, teacher_RxD, rows_MxC, alpha, temperature,
-                       compute_dtype, with_grad=False)
-
-
-def _fused_ce_kd_fwd(h_MxCxD, w_VxD, y_MxC, teacher_RxD, rows_MxC, alpha, temperature,
-                     compute_dtype):
-  *out, dh = _ce_kd_chunks(h_MxCxD, w_VxD, y_MxC, teacher_RxD, rows_MxC, alpha, temperature,
-                           compute_dtype, with_grad=True)
-  return tuple(out), (dh.astype(h_MxCxD.dtype), w_VxD, y_MxC, teacher_RxD, rows_MxC)
-
-
-def _fused_ce_kd_bwd(alpha, temperature, compute_dtype, res, cotangents):
-  dh, w, y, teacher, rows = res
-  # ce and kd leave chunked_ce_kd under stop_gradient, so only the blend's cotangent is nonzero.
-  g_loss = cotangents[0]
-  g_h = (dh.astype(jnp.float32) * g_loss[..., None]).astype(dh.dtype)
-  float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return g_h, jnp.zeros_like(w), float0(y), jnp.zeros_like(teacher), float0(rows)
-
-
-_fused_ce_kd.defvjp(_fused_ce_kd_fwd, _fused_ce_kd_bwd)
-
-
 class Sums(NamedTuple):
-  """Additive statistics of a micro-batch; the loss is wloss / w over the global batch."""
-  wloss: jax.Array        # sum(loss * w), the objective: = wce without KD, else (1-a) wce + a wkd
+  """Additive statistics of a micro-batch; the loss is wce / w over the global batch."""
   wce: jax.Array          # sum(CE * w)
-  wkd: jax.Array          # sum(KD * w) (0 without KD)
   w: jax.Array            # sum(w)
   correct: jax.Array      # sum([argmax == label] * [w > 0])
   counted: jax.Array      # sum([w > 0])
@@ -273,10 +181,7 @@ class Sums(NamedTuple):
   blocks: jax.Array       # number of valid blocks
 
 
-def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int, *, kd_BxQ=None,
-               loss_BxQ=None) -> Sums:
-  """kd_BxQ, loss_BxQ: the KD term and the blended loss of chunked_ce_kd (None: CE only, and the
-  loss is the CE itself, the very same array, so the CE-only gradient is untouched)."""
+def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int) -> Sums:
   B, Q = ce_BxQ.shape
   w = blocks.weights
   on = w > 0
@@ -286,21 +191,14 @@ def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int, *, kd_BxQ=None
   c = correct.reshape(B, -1, block_size)[:, :, 1:]
   accept = jnp.cumprod(c.astype(jnp.int32), axis=-1).sum(-1)
   valid = blocks.block_valid
-  wce = jnp.sum(ce_BxQ * w)
-  wkd = jnp.zeros((), jnp.float32) if kd_BxQ is None else jnp.sum(kd_BxQ * w)
-  wloss = wce if loss_BxQ is None else jnp.sum(loss_BxQ * w)
-  return Sums(wloss, wce, wkd, jnp.sum(w), jnp.sum(correct).astype(jnp.float32),
+  return Sums(jnp.sum(ce_BxQ * w), jnp.sum(w), jnp.sum(correct).astype(jnp.float32),
               jnp.sum(on).astype(jnp.float32),
               jnp.sum(jnp.where(valid, accept, 0)).astype(jnp.float32),
               jnp.sum(valid).astype(jnp.float32))
 
 
-def metrics_from_sums(s: Sums, *, kd: bool = False) -> dict[str, jax.Array]:
-  """kd: also report the two terms of the blended loss, "ce" and "kd", each normalised by sum(w)."""
+def metrics_from_sums(s: Sums) -> dict[str, jax.Array]:
   safe = lambda x: jnp.maximum(x, 1e-9)
-  m = {"loss": s.wloss / safe(s.w), "accuracy": s.correct / safe(s.counted),
-       "tau_estimate": s.accept / safe(s.blocks) + 1.0,
-       "supervised_tokens": s.counted, "valid_blocks": s.blocks}
-  if kd:
-    m.update(ce=s.wce / safe(s.w), kd=s.wkd / safe(s.w))
-  return m
+  return {"loss": s.wce / safe(s.w), "accuracy": s.correct / safe(s.counted),
+          "tau_estimate": s.accept / safe(s.blocks) + 1.0,
+          "supervised_tokens": s.counted, "valid_blocks": s.blocks}

@@ -2,11 +2,8 @@
 
 batch: dict of [A, B, S] int32 arrays (A = gradient-accumulation micro-steps) input_ids,
 loss_mask, doc_id, position_ids, and `features` [A, B, S, F] (target hidden states, imported
-through DLPack: never donated); with train.kd_weight > 0 also `final_hidden` [A, B, S, D] (the
-target's final-normed last hidden states, from the same forward, imported the same way).
-frozen: {"embed": [V, D], "lm_head": [V, D]} (never donated).
-The loss is sum(loss * w) / sum(w) with sum(w) over the whole global batch (all micro-steps), where
-loss = CE, or (1 - a) CE + a KD with a = train.kd_weight (objective.chunked_ce_kd).
+through DLPack: never donated). frozen: {"embed": [V, D], "lm_head": [V, D]} (never donated).
+The loss is sum(CE * w) / sum(w) with sum(w) over the whole global batch (all micro-steps).
 """
 
 from __future__ import annotations
@@ -65,11 +62,6 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
   anchors: optional (anchors [B, N], block_valid [B, N]) used instead of sampling with `key`
   (parity feeds the same anchors to the PyTorch reference).
   """
-  use_kd = t.kd_weight > 0
-  if use_kd and "final_hidden" not in micro:
-    raise ValueError(f"train.kd_weight={t.kd_weight} needs the target's final hidden states in the "
-                     "batch (key 'final_hidden', [B, S, D]): produce them with "
-                     "Target.stacked_features(..., with_final=True), or set train.kd_weight=0")
   model = nnx.merge(graphdef, params)
   if anchors is None:
     anchors, valid = objective.sample_anchors(key, micro["loss_mask"], micro["doc_id"],
@@ -86,16 +78,9 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
   h = model(noise_emb, micro["features"].astype(cd), micro["position_ids"], blocks.positions,
             blocks.anchors, blocks.doc_start, blocks.block_valid, remat=t.remat,
             attn_impl=attn_impl)
-  if use_kd:
-    loss, ce, kd, pred = supervised_ce_kd(
-        h, frozen["lm_head"], blocks.labels, blocks.anchors, micro["final_hidden"], cfg.block_size,
-        kd_weight=t.kd_weight, kd_temperature=t.kd_temperature, chunk_size=t.ce_chunk_size,
-        compute_dtype=cd)
-    sums = objective.block_sums(ce, pred, blocks, cfg.block_size, kd_BxQ=kd, loss_BxQ=loss)
-  else:
-    ce, pred = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
-                             chunk_size=t.ce_chunk_size, compute_dtype=cd)
-    sums = objective.block_sums(ce, pred, blocks, cfg.block_size)
+  ce, pred = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
+                           chunk_size=t.ce_chunk_size, compute_dtype=cd)
+  sums = objective.block_sums(ce, pred, blocks, cfg.block_size)
   if return_aux:
     return sums, (blocks, h, ce, pred)
   return sums
@@ -106,56 +91,24 @@ def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_si
   """CE and argmax [B, Q] of block offsets 1..K-1 only: offset 0 (the anchor's own token) never
   has a label (weight 0 by the DESIGN contract), so its LM-head rows are not computed at all,
   1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1."""
-  h, y = _supervised_rows(h_BxQxD, labels_BxQ, block_size)
-  ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
-                                             compute_dtype=compute_dtype)
-  B, Q = labels_BxQ.shape
-  return _offset0_back(ce, B, Q, block_size), _offset0_back(pred, B, Q, block_size, -1)
-
-
-def supervised_ce_kd(h_BxQxD, lm_head_VxD, labels_BxQ, anchors_BxN, final_BxSxD, block_size: int,
-                     *, kd_weight: float, kd_temperature: float, chunk_size: int, compute_dtype):
-  """supervised_ce blended with knowledge distillation from the target (objective.chunked_ce_kd).
-
-  The teacher of block offset k is the target's next-token distribution at position a_n + k - 1
-  (the target is causal: its logits at p are the distribution of token p + 1, the label ids[a + k]).
-  a_n + k - 1 is clamped inside the row; where a_n + k is outside the row or the document the
-  weight is 0 anyway. final_BxSxD: the target's final-normed last hidden states (no gradient).
-  Returns (loss, ce, kd, pred) [B, Q]; offset 0 gets 0, 0, 0 and prediction -1.
-  """
-  B, Q = labels_BxQ.shape
-  S, D = final_BxSxD.shape[1:]
-  K = block_size
-  h, y = _supervised_rows(h_BxQxD, labels_BxQ, K)
-  k = jnp.arange(1, K, dtype=jnp.int32)
-  src = jnp.minimum(anchors_BxN[:, :, None] + k - 1, S - 1)              # [B, N, K-1]
-  rows = (jnp.arange(B, dtype=jnp.int32)[:, None, None] * S + src).reshape(-1)
-  loss, ce, kd, pred = objective.chunked_ce_kd(
-      h, lm_head_VxD, y, final_BxSxD.reshape(B * S, D), rows, kd_weight=kd_weight,
-      kd_temperature=kd_temperature, chunk_size=chunk_size, compute_dtype=compute_dtype)
-  back = lambda x: _offset0_back(x, B, Q, K)
-  return back(loss), back(ce), back(kd), _offset0_back(pred, B, Q, K, -1)
-
-
-def _supervised_rows(h_BxQxD, labels_BxQ, K):
-  """Hidden states [B*N*(K-1), D] and labels of the block offsets 1..K-1."""
   B, Q, D = h_BxQxD.shape
+  K = block_size
   N = Q // K
   h = h_BxQxD.reshape(B, N, K, D)[:, :, 1:].reshape(B * N * (K - 1), D)
-  return h, labels_BxQ.reshape(B, N, K)[:, :, 1:].reshape(-1)
-
-
-def _offset0_back(x_T, B, Q, K, fill=0):
-  """[B*N*(K-1)] per-token values -> [B, Q] with `fill` at block offset 0."""
-  x = x_T.reshape(B, Q // K, K - 1)
-  return jnp.pad(x, ((0, 0), (0, 0), (1, 0)), constant_values=fill).reshape(B, Q)
+  y = labels_BxQ.reshape(B, N, K)[:, :, 1:].reshape(-1)
+  ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
+                                             compute_dtype=compute_dtype)
+  pad = ((0, 0), (0, 0), (1, 0))
+  ce = jnp.pad(ce.reshape(B, N, K - 1), pad).reshape(B, Q)
+  pred = jnp.pad(pred.reshape(B, N, K - 1), pad, constant_values=-1).reshape(B, Q)
+  return ce, pred
 
 
 def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
                     attn_impl: dict | None = None):
   def loss_fn(params, micro, frozen, key):
     sums = micro_sums(graphdef, params, micro, frozen, key, cfg=cfg, t=t, attn_impl=attn_impl)
-    return sums.wloss, sums
+    return sums.wce, sums
 
   grad_fn = jax.grad(loss_fn, has_aux=True)
 
@@ -181,7 +134,7 @@ def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
     g = jax.tree.map(lambda x: x / jnp.maximum(sums.w, 1e-9), g)
     updates, opt_state = optimizer.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = objective.metrics_from_sums(sums, kd=t.kd_weight > 0)
+    metrics = objective.metrics_from_sums(sums)
     grad_norm = optax.tree.norm(g)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     # A non-finite step leaves the state untouched; the loop stops the run on `finite == False`.

@@ -202,14 +202,9 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
       out_shardings=None if place.mesh is None else place.replicated)
 
   def next_batch():
-    """-> (host arrays, torch tensors to hand over): the features, and with KD the target's final
-    hidden states from the same forward (the teacher logits are computed from them in the step)."""
     micro = [next(batches) for _ in range(A)]
     host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-    if t.kd_weight > 0:
-      feats, final = target.stacked_features(micro, dcfg.target_layer_ids, with_final=True)
-      return host, {"features": feats, "final_hidden": final}
-    return host, {"features": target.stacked_features(micro, dcfg.target_layer_ids)}
+    return host, target.stacked_features(micro, dcfg.target_layer_ids)
 
   metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
   writer = None
@@ -302,10 +297,10 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
           log.info("time budget of %.0f s reached at step %d of %d: saving; rerun the same "
                    "command to continue", time_budget_s, i, total)
           break
-        host, tensors = next_batch()
+        host, feats_t = next_batch()
         h = Handoff()
         batch = {k: place.split_rows(v) for k, v in host.items()}
-        batch.update({k: place.features(h, v) for k, v in tensors.items()})
+        batch["features"] = place.features(h, feats_t)
         if i == first and memory_report:
           from jax_drafter import memory
           summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,

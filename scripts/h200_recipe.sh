@@ -13,7 +13,7 @@
 #            on a random target of SmolLM2's shapes, and the recipe's train step timed on that
 #            random target (GPU 1), at once
 #   recipe   regeneration of the training answers (half per GPU), then the recipe trained on GPU 0
-#            and the same with KD on GPU 1, each stopping with TRAIN_MINUTES left for evaluation
+#            and a variant (EXTRA_B: config overrides) on GPU 1, each stopping in time to evaluate
 #   resume   both runs continue from their checkpoints (same commands) for TRAIN_MINUTES more
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,10 +77,10 @@ EOF
     CUDA_VISIBLE_DEVICES=0 run timeout $((LEFT - 5)) python3 -m jax_drafter.train "${COMMON[@]}" \
         "train.output_dir=$D/runs/recipe" ${EXTRA:-} --max-minutes "$MIN" --quiet > "$OUT/train.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 run timeout $((LEFT - 5)) python3 -m jax_drafter.train "${COMMON[@]}" \
-        "train.output_dir=$D/runs/recipe-kd" train.kd_weight=0.5 ${EXTRA:-} --max-minutes "$MIN" --quiet > "$OUT/train-kd.log" 2>&1 &
+        "train.output_dir=$D/runs/recipe-b" ${EXTRA:-} ${EXTRA_B:-} --max-minutes "$MIN" --quiet > "$OUT/train-b.log" 2>&1 &
     wait
-    cp "$D/runs/recipe/metrics.jsonl" "$OUT/metrics.jsonl"; cp "$D/runs/recipe-kd/metrics.jsonl" "$OUT/metrics-kd.jsonl"
-    for f in train train-kd; do echo "--- $f"; grep -E "step [0-9]+/|tau |lossless|near-tie|error|Error|time budget" "$OUT/$f.log" | tail -n 12; done ;;
+    cp "$D/runs/recipe/metrics.jsonl" "$OUT/metrics.jsonl"; cp "$D/runs/recipe-b/metrics.jsonl" "$OUT/metrics-b.jsonl"
+    for f in train train-b; do echo "--- $f"; grep -E "step [0-9]+/|tau |lossless|near-tie|error|Error|time budget" "$OUT/$f.log" | tail -n 12; done ;;
   *) echo "usage: $0 checks|recipe|resume"; exit 2 ;;
 esac
 echo "part took $(( $(date +%s) - T0 )) s"

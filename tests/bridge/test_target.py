@@ -71,34 +71,3 @@ def test_missing_target_directory_is_a_clear_error(tmp_path):
     load_target(str(tmp_path / "nope"))
   with pytest.raises(TargetError, match="no config.json"):
     load_target(str(tmp_path))
-
-
-def test_with_final_runs_every_layer_and_returns_the_lm_head_input(tiny):
-  from bridge.handoff import to_jax
-  ids = torch.randint(0, 1000, (2, 10))
-  pos = torch.arange(10).repeat(2, 1)
-  doc = torch.zeros(2, 10, dtype=torch.long)
-  ran = []
-  hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
-           for i, layer in enumerate(tiny.layers)]
-  try:
-    f, final = tiny.features(ids, pos, doc, [1], with_final=True)
-  finally:
-    for h in hooks:
-      h.remove()
-  assert ran == [0, 1, 2, 3]                                # no early stop: the head needs layer 3
-  torch.testing.assert_close(f, tiny.features(ids, pos, doc, [1]))
-  with torch.inference_mode():
-    last = tiny.features(ids, pos, doc, [3])                # output of the last decoder layer
-    torch.testing.assert_close(final, tiny.model.model.norm(last))
-    logits = tiny.model(ids, position_ids=pos).logits
-  torch.testing.assert_close(final @ tiny.lm_head.T, logits, rtol=1e-5, atol=1e-5)
-  assert final.shape == (2, 10, 32) and final.is_contiguous()
-  micros = [dict(input_ids=ids, position_ids=pos, doc_id=doc)] * 2
-  sf, sfinal = tiny.stacked_features(micros, [1], with_final=True)
-  assert sf.shape == (2, 2, 10, 32) and sfinal.shape == (2, 2, 10, 32)
-  torch.testing.assert_close(sfinal[1], final)
-  # Both cross to JAX zero-copy (fresh, contiguous, aligned).
-  assert to_jax(sfinal, name="final").shape == (2, 2, 10, 32)
-  assert to_jax(tiny.stacked_features(micros[:1], [1], with_final=True)[1], name="final").shape == (
-      1, 2, 10, 32)

@@ -114,20 +114,6 @@ def test_architecture_change_on_resume_is_refused(tiny_target_dir, sharegpt_samp
                        "drafter.layer_types=[full_attention]"))
 
 
-def test_training_with_knowledge_distillation(tiny_target_dir, sharegpt_sample, tmp_path):
-  out = str(tmp_path / "kd")
-  summary = trainer.train(_cfg(tiny_target_dir, sharegpt_sample, out, "train.steps=2",
-                               "train.grad_accum=2", "train.kd_weight=0.5",
-                               "train.kd_temperature=2.0"))
-  assert summary["final_step"] == 2
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    rows = [r for r in map(json.loads, f) if "loss" in r]
-  assert [r["step"] for r in rows] == [1, 2]
-  for r in rows:
-    assert all(np.isfinite(r[k]) for k in ("loss", "ce", "kd")) and r["kd"] > 0
-    assert r["loss"] == pytest.approx(0.5 * r["ce"] + 0.5 * r["kd"], rel=1e-5)
-
-
 def test_bad_config_key_is_a_one_line_error(capsys):
   rc = train_cli.main(["--quiet", "train.stepz=3"])
   assert rc == 2
