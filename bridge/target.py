@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,50 @@ class Target:
     feats = [self.features(m["input_ids"], m["position_ids"], m["doc_id"], layer_ids)
              for m in micros]
     return feats[0].unsqueeze(0) if len(feats) == 1 else torch.stack(feats)
+
+
+class FeatureCache:
+  """Target features of packed rows kept in memory on the target's device, keyed by the row's
+  content (ids, positions, document ids): a small dataset trained for many epochs pays for each
+  row's target forward once. On a CPU that forward is most of a step (SmolLM2-135M: ~140 GFLOP
+  for 4 x 256 tokens against ~80 for the drafter's LM head). Rows beyond `max_bytes` are not
+  kept and are computed every time. Drop-in for `Target.stacked_features`."""
+
+  def __init__(self, target: "Target", max_bytes: float):
+    self.target, self.max_bytes = target, max_bytes
+    self.rows: dict[bytes, torch.Tensor] = {}
+    self.bytes, self.hits, self.misses, self.full = 0, 0, 0, False
+
+  @staticmethod
+  def _key(m: dict, b: int, layer_ids) -> bytes:
+    import hashlib
+    h = hashlib.sha1(repr(tuple(layer_ids)).encode())
+    for k in ("input_ids", "position_ids", "doc_id"):
+      h.update(np.ascontiguousarray(m[k][b], dtype=np.int32).tobytes())
+    return h.digest()
+
+  def stacked_features(self, micros, layer_ids) -> torch.Tensor:
+    keys = [[self._key(m, b, layer_ids) for b in range(len(m["input_ids"]))] for m in micros]
+    todo = [(a, b) for a, ks in enumerate(keys) for b, k in enumerate(ks) if k not in self.rows]
+    fresh = {}
+    if todo:  # one target forward over every missing row of the step
+      sub = {k: np.stack([micros[a][k][b] for a, b in todo]) for k in ("input_ids", "position_ids",
+                                                                     "doc_id")}
+      feats = self.target.features(sub["input_ids"], sub["position_ids"], sub["doc_id"], layer_ids)
+      for (a, b), f in zip(todo, feats):
+        fresh[keys[a][b]] = f
+        if self.bytes + f.numel() * f.element_size() <= self.max_bytes:
+          self.rows[keys[a][b]] = f.clone()  # its own storage, not a view of the batch
+          self.bytes += f.numel() * f.element_size()
+        elif not self.full:
+          self.full = True
+          log.warning("target feature cache full at %.2f GiB: further rows are computed every "
+                      "step (raise target.feature_cache_gib)", self.bytes / 2**30)
+    self.misses += len(todo)
+    self.hits += sum(map(len, keys)) - len(todo)
+    # A fresh contiguous tensor every step: handed to JAX through DLPack, never written again.
+    return torch.stack([torch.stack([self.rows.get(k, fresh.get(k)) for k in ks])
+                        for ks in keys]).contiguous()
 
 
 def eos_token_ids(model, tokenizer, *, required: bool = False) -> set[int]:

@@ -149,10 +149,14 @@ class TargetSection:
   dtype: str = "float32"           # torch dtype of the frozen target
   device: str = "auto"             # "cpu", "cuda", "cuda:1", or "auto"
   trust_remote_code: bool = False
+  feature_cache_gib: float = 0.0   # > 0: keep each packed row's target features in memory (on the
+                                   # target's device) up to this size; for small data, many epochs
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES}")
+    if self.feature_cache_gib < 0:
+      raise ConfigError(f"target.feature_cache_gib={self.feature_cache_gib} must be >= 0 (0 = off)")
 
 
 @dataclass(frozen=True)

@@ -201,10 +201,14 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
       step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)),
       out_shardings=None if place.mesh is None else place.replicated)
 
+  from bridge.target import FeatureCache
+  gib = cfg.target.feature_cache_gib
+  features = FeatureCache(target, gib * 2**30) if gib > 0 else target
+
   def next_batch():
     micro = [next(batches) for _ in range(A)]
     host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-    return host, target.stacked_features(micro, dcfg.target_layer_ids)
+    return host, features.stacked_features(micro, dcfg.target_layer_ids)
 
   metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
   writer = None

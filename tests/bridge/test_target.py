@@ -71,3 +71,27 @@ def test_missing_target_directory_is_a_clear_error(tmp_path):
     load_target(str(tmp_path / "nope"))
   with pytest.raises(TargetError, match="no config.json"):
     load_target(str(tmp_path))
+
+
+def test_feature_cache_equals_the_target_and_runs_each_row_once(tiny, monkeypatch):
+  import numpy as np
+  from bridge.target import FeatureCache
+  rng = np.random.default_rng(0)
+  rows = [{"input_ids": rng.integers(0, 1000, (2, 9)).astype(np.int32),
+           "position_ids": np.tile(np.arange(9, dtype=np.int32), (2, 1)),
+           "doc_id": np.zeros((2, 9), np.int32)} for _ in range(3)]
+  ref = [tiny.stacked_features([m], [0, 2]) for m in rows]
+  calls = []
+  real = tiny.features
+  monkeypatch.setattr(tiny, "features", lambda *a: (calls.append(len(a[0])), real(*a))[1])
+  cache = FeatureCache(tiny, max_bytes=1 << 30)
+  for _ in range(2):  # two epochs over the same rows: the target runs in the first only
+    for m, r in zip(rows, ref):
+      torch.testing.assert_close(cache.stacked_features([m], [0, 2]), r, rtol=1e-5, atol=1e-6)
+  assert calls == [2, 2, 2] and cache.hits == 6 and cache.misses == 6
+  # Another position or document layout is another key; a full cache still answers correctly.
+  other = dict(rows[0], doc_id=np.array([[0] * 4 + [1] * 5] * 2, np.int32))
+  small = FeatureCache(tiny, max_bytes=0)
+  torch.testing.assert_close(small.stacked_features([other], [0, 2]),
+                             tiny.stacked_features([other], [0, 2]))
+  assert small.full and not small.rows

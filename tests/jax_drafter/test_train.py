@@ -190,3 +190,18 @@ def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, shar
     losses[n] = _losses(out)
   for s in (1, 2, 3):
     assert losses[2][s] == pytest.approx(losses[1][s], rel=1e-5), s
+
+
+def test_feature_cache_trains_like_the_live_target(tiny_target_dir, sharegpt_sample, tmp_path):
+  """Steps over cached target features give the losses of steps over fresh target forwards."""
+  live = str(tmp_path / "live")
+  cached = str(tmp_path / "cached")
+  few = ("train.steps=4", "data.max_conversations=6")  # few rows: steps 3-4 revisit them
+  trainer.train(_cfg(tiny_target_dir, sharegpt_sample, live, *few))
+  summary = trainer.train(_cfg(tiny_target_dir, sharegpt_sample, cached, *few,
+                               "target.feature_cache_gib=0.5"))
+  assert summary["data_stats"]["rows"] < 4 * 2
+  a, b = _losses(live), _losses(cached)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  for s in a:
+    assert b[s] == pytest.approx(a[s], rel=1e-5), s
