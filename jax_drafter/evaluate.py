@@ -230,6 +230,7 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                                    block_size=K, seed=seed, **kw)
   if any(k not in cache for k in keys):
     spec_decode.target_generate(decoder, ids[0][:32], max_new_tokens=2, seed=seed, **kw)
+  earlier = {k for k in keys if k in cache}  # decoded by an earlier evaluation
   if reference == "batched" and temperature <= 0:
     _batched_references(target, ids, keys, cache, eos, max_new_tokens, skip=speed_prompts)
   arbiter = spec_decode.TieArbiter(target)  # copies the target to f32 only on a first difference
@@ -242,8 +243,8 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
     spec = spec_decode.speculative_generate(
         decoder, proposer, p, max_new_tokens=max_new_tokens, block_size=K,
         seed=seed + i, **kw)
-    cached = keys[i] in cache
-    if not cached:
+    cached = keys[i] in earlier
+    if keys[i] not in cache:
       cache[keys[i]] = spec_decode.target_generate(decoder, p, max_new_tokens=max_new_tokens,
                                                    seed=seed + i, **kw)
     ref = cache[keys[i]]
@@ -275,7 +276,8 @@ def _batched_references(target: Target, ids, keys, cache, eos, max_new_tokens, *
   if not todo:
     return
   pad = getattr(target.tokenizer, "pad_token_id", None)
-  pad = min(eos) if pad is None else pad
+  if pad is None:  # any id: padded positions are masked out of every live row
+    pad = min(eos) if eos else 0
   for k, new in generation.generate_many(target.model, [ids[i] for i in todo],
                                          max_new_tokens=max_new_tokens, stop_ids=set(eos),
                                          pad_id=pad):
@@ -342,9 +344,10 @@ def format_report(r: dict) -> str:
   tps = r["tokens_per_second"]
   fmt = lambda x, spec="{:.1f}": "n/a" if x is None else spec.format(x)
   hist = " ".join(f"{k}:{v}" for k, v in r["accept_length_histogram"].items() if v)
-  cached = tps.get("target_only_cached", 0)
-  cached = (f" (target only timed at an earlier evaluation: {cached} of {r['num_prompts']} "
-            "references cached)" if cached else "")
+  cached, timed = tps.get("target_only_cached", 0), tps.get("target_only_timed_prompts")
+  cached = (f" (target only: timed on {timed} of {r['num_prompts']} prompts"
+            + (f", {cached} references from an earlier evaluation" if cached else "") + ")"
+            if cached or (timed is not None and timed < r["num_prompts"]) else "")
   ll = r["lossless"]
   if not ll["checked"]:
     lossless = "not checked (temperature > 0)"

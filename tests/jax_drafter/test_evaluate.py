@@ -198,7 +198,7 @@ def test_lossless_report_lists_ties_and_mismatches():
   text = evaluate.format_report(r)
   assert "FAILED on 1 of 2 prompts" in text and "prompt 1 new token 2" in text and "1.5" in text
   assert "1 near-ties" in text and "prompt 0 new token 1: speculative 7, target 9" in text
-  assert "1 of 2 references cached" in text
+  assert "1 references from an earlier evaluation" in text
   # Only ties: passed.
   r = evaluate.summarize(rows[:1], block_size=4, max_new_tokens=3, temperature=0.0,
                          target_name="t", arbiter="the target in float32")
@@ -316,7 +316,7 @@ def test_reference_cache_decodes_the_target_once(tiny_target, monkeypatch):
   assert second["tokens_per_second"]["target_only"] == first["tokens_per_second"]["target_only"]
   assert second["tokens_per_second"]["target_only_cached"] == 2
   assert [r["target_cached"] for r in second["per_prompt"]] == [True, True]
-  assert "2 of 2 references cached" in evaluate.format_report(second)
+  assert "2 references from an earlier evaluation" in evaluate.format_report(second)
   assert second["lossless"]["passed"] is True
   run(6)  # another length is another reference
   assert calls[3:] == [2, 6, 6] and len(cache) == 4
@@ -500,3 +500,22 @@ def test_cli_end_to_end(smollm2, tmp_path, monkeypatch):
   # An exported drafter carries no data split: default prompts are refused with a clear message.
   assert evaluate.main(["--drafter-dir", zdir]) == 2
   assert evaluate.main(["--drafter-dir", zdir, "--prompts", str(prompts), "--block-size", "5"]) == 2
+
+
+def test_batched_references_equal_decoded_ones(tiny_target, monkeypatch):
+  """reference="batched": prompts past speed_prompts come from one batched greedy decode, equal to
+  the one-token decode (f32), untimed, and not counted as from an earlier evaluation."""
+  cfg, graphdef, params = tiny_drafter()
+  decoded, batched = {}, {}
+  kw = dict(max_new_tokens=8, progress=False)
+  evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS, reference="decode",
+                        reference_cache=decoded, **kw)
+  report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS,
+                                 reference="batched", speed_prompts=1, reference_cache=batched, **kw)
+  assert len(TINY_PROMPTS) > 2 and batched.keys() == decoded.keys()
+  for k in decoded:
+    assert batched[k].tokens == decoded[k].tokens
+  assert [batched[k].seconds is None for k in decoded] == [False] + [True] * (len(decoded) - 1)
+  tps = report["tokens_per_second"]
+  assert tps["target_only_timed_prompts"] == 1 and tps["target_only_cached"] == 0
+  assert report["lossless"]["passed"] is True
