@@ -1,4 +1,4 @@
-"""The PyTorch path of `python -m jax_drafter.bench` (a torch-only worker process).
+"""The PyTorch path of `python -m jax_drafter.tools.bench` (a torch-only worker process).
 
 What SpecForge-style trainers run: the reference drafter (bridge/reference_drafter.py) with f32
 master weights under bf16 autocast, compiled flex_attention, chunked CE with each chunk under
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bridge import reference_drafter as ref
 from jax_drafter import presets
-from jax_drafter.bench import CASES, sample_anchors
+from jax_drafter.tools.bench import CASES, sample_anchors
 
 
 def chunked_ce(h_TxD, w_VxD, y_T, chunk: int):

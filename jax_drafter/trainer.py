@@ -302,7 +302,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
         batch = {k: place.split_rows(v) for k, v in host.items()}
         batch["features"] = place.features(h, feats_t)
         if i == first and memory_report:
-          from jax_drafter import memory
+          from jax_drafter.tools import memory
           summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,
                                                             memory_report)
         state, metrics = step_fn(state, batch, frozen)

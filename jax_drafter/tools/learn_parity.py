@@ -11,7 +11,7 @@ once per step by bridge.target and handed to JAX through DLPack), the same ancho
 learning rate. The JAX side is the real jitted train step (step.make_train_step + jit_train_step:
 the optimizer of step.make_optimizer, the non-finite guard, anchors sampled inside the step from
 fold_in(rng, step)); the torch side is bridge/reference_drafter.py with torch.optim.AdamW set up
-as that optax chain (jax_drafter.parity.torch_adamw / torch_lr / torch_update). The torch side
+as that optax chain (jax_drafter.tools.parity.torch_adamw / torch_lr / torch_update). The torch side
 gets the step's anchors by repeating the step's key derivation outside it (parity.step_anchors),
 so the step itself runs unchanged. After K steps both drafters decode the same held-out prompts by
 real speculative decoding (evaluate.evaluate_tau); the torch-trained weights come back as JAX
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 
-from jax_drafter import parity
+from jax_drafter.tools import parity
 
 # Relative tolerances, by train.compute_dtype.
 # first_step: the loss of step 1 (same weights, rows and anchors on both sides), parity's one-step

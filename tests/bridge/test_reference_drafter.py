@@ -42,7 +42,7 @@ def test_torch_attention_matches_jax_reference(backend, window):
   grads_j = vjp(jnp.asarray(dout))
 
   # torch's flex_attention has no CPU backward (it raises): flex is checked forward-only here and
-  # with gradients on the GPU (jax_drafter.parity --torch-attention flex).
+  # with gradients on the GPU (jax_drafter.tools.parity --torch-attention flex).
   grad = backend != "flex"
   xt = [torch.from_numpy(a).requires_grad_(grad) for a in x]
   out_t = dflash_attention_torch(*xt, *map(torch.from_numpy, idx), block_size=K, window=window,

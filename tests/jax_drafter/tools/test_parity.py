@@ -1,4 +1,4 @@
-"""`python -m jax_drafter.parity` on CPU: the Flax drafter equals the PyTorch reference (f32).
+"""`python -m jax_drafter.tools.parity` on CPU: the Flax drafter equals the PyTorch reference (f32).
 
 The tiny preset has a sliding and a full layer, GQA, packed rows of two documents and a row with
 too few anchor candidates (invalid blocks); the tool's own tolerances (parity.TOLERANCES) decide.
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from bridge.torch_attention import dflash_attention_torch
-from jax_drafter import objective, parity
+from jax_drafter import objective
 from jax_drafter.config import DrafterConfig
+from jax_drafter.tools import parity
 from pallas_kernels.dflash_attention.api import dflash_attention
 
 

@@ -1,6 +1,6 @@
 """Cross-framework parity: the Flax drafter vs the PyTorch reference drafter on the same batch.
 
-  python -m jax_drafter.parity [--config tiny|qwen3.6-27b|RUN.yaml] [--device cpu|gpu]
+  python -m jax_drafter.tools.parity [--config tiny|qwen3.6-27b|RUN.yaml] [--device cpu|gpu]
       [--dtype float32|bfloat16] [--seed S | --run-dir RUN [--step N] | --zlab DIR]
       [--jax-attention auto|reference|xla|triton] [--torch-attention eager|sdpa|flex]
       [--steps K] [--json REPORT] [--perturb]
@@ -79,7 +79,7 @@ def _progress(msg: str) -> None:
 
 
 def parse(argv):
-  ap = argparse.ArgumentParser(prog="python -m jax_drafter.parity", description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m jax_drafter.tools.parity", description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="tiny", help=f"{' | '.join(PRESETS)} | a run config YAML")
   ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
   ap.add_argument("--dtype", default="float32", choices=tuple(TOLERANCES))

@@ -1,11 +1,11 @@
-"""python -m jax_drafter.bench: the full drafter training step, JAX vs the PyTorch path, same run.
+"""python -m jax_drafter.tools.bench: the full drafter training step, JAX vs the PyTorch path, same run.
 
 Each (case, side) runs in its own subprocess so peaks are clean and an out-of-memory on one side
 is reported, not fatal. The PyTorch side (bridge/bench_torch.py) is the reference drafter with
 compiled flex_attention and checkpointed chunked CE, f32 master weights, bf16 autocast, fused
 AdamW: what SpecForge-style trainers run. Both sides use random weights and identical shapes.
 
-  python -m jax_drafter.bench --case 27b-8k --case 8b-3k --json bench.json
+  python -m jax_drafter.tools.bench --case 27b-8k --case 8b-3k --json bench.json
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
 
 
 def _worker_cmd(side: str, case: str, args) -> list[str]:
-  mod = "jax_drafter.bench" if side == "jax" else "bridge.bench_torch"
+  mod = "jax_drafter.tools.bench" if side == "jax" else "bridge.bench_torch"
   cmd = [sys.executable, "-m", mod, "--worker", "--case", case, "--steps", str(args.steps),
          "--ce-chunk", str(args.ce_chunk)]
   if side == "jax":   # --remat is the JAX drafter's; the PyTorch path checkpoints its CE chunks only
@@ -134,7 +134,7 @@ def _fmt(r: dict, flops: float) -> str:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m jax_drafter.bench", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m jax_drafter.tools.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable; default 27b-8k")
   ap.add_argument("--steps", type=int, default=6, help="timed steps after one warm-up (median)")
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None)
   ap.add_argument("--breakdown", action="append", default=[], choices=sorted(CASES),
                   metavar="CASE", help="for this case (repeatable), also time each part of the "
-                  "JAX step on its own (jax_drafter.breakdown)")
+                  "JAX step on its own (jax_drafter.tools.breakdown)")
   ap.add_argument("--devices", default=None,
                   help="comma list of GPU indices: the (case, side) runs are spread over them and "
                   "run at once, one per GPU (default: one after another on the visible GPUs)")
@@ -206,7 +206,7 @@ def _failed_alloc(msg: str) -> str | None:
 
 def _jax_worker(args) -> int:
   import jax
-  from jax_drafter import memory
+  from jax_drafter.tools import memory
   from jax_drafter import step as step_lib
   from jax_drafter.config import TrainSection
 
@@ -242,7 +242,7 @@ def _jax_worker(args) -> int:
                   compile_s=first - med, loss=float(m["loss"]),
                   peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
     if args.breakdown:
-      from jax_drafter import breakdown
+      from jax_drafter.tools import breakdown
       parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=cfg, t=t,
                                        attn_impl=plan.attn_impl, reps=max(args.steps, 1))
       result["breakdown_ms"] = {k: v * 1e3 for k, v in parts.items()}

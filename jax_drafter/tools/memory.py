@@ -1,4 +1,4 @@
-"""`python -m jax_drafter.memory`: the compiled memory plan of the real train step, explained.
+"""`python -m jax_drafter.tools.memory`: the compiled memory plan of the real train step, explained.
 
 The step is compiled ahead of time from abstract shapes (no weights, no data, no target model):
 XLA's memory plan is fixed at compile time, so the peak, the buffers alive at it and the Python
@@ -25,7 +25,7 @@ from jax_drafter import config as config_lib
 from jax_drafter import params as params_lib
 from jax_drafter import presets
 from jax_drafter import step as step_lib
-from jax_drafter import xla_dump
+from jax_drafter.tools import xla_dump
 
 GiB = 1 << 30
 
@@ -538,7 +538,7 @@ def memory_report_for_step(jitted_step, state, batch, frozen, out_dir: str) -> d
 # ---- CLI ----
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jax_drafter.memory", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m jax_drafter.tools.memory", description=__doc__.split("\n")[0])
   p.add_argument("--config", required=True, help=f"run-config YAML or a preset: {', '.join(PRESETS)}")
   p.add_argument("--target", help="target dims for a YAML config: a preset or a HF model directory")
   p.add_argument("--seq-len", type=int)

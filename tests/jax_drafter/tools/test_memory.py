@@ -1,4 +1,4 @@
-"""jax_drafter.memory on CPU: the compiled memory plan names its buffers, budgets, remat equality.
+"""jax_drafter.tools.memory on CPU: the compiled memory plan names its buffers, budgets, remat equality.
 
 XLA plans memory differently on CPU and GPU; these tests assert CPU behaviour only.
 """
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_drafter import memory, objective
+from jax_drafter import objective
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
+from jax_drafter.tools import memory
 
 TOL = dict(atol=1e-5, rtol=1e-5)     # remat only reorders f32 arithmetic
 

@@ -4,7 +4,8 @@ import json
 
 import numpy as np
 
-from jax_drafter import bench, presets
+from jax_drafter import presets
+from jax_drafter.tools import bench
 from pallas_kernels.dflash_attention.reference import visible_pairs
 
 
@@ -38,7 +39,7 @@ def test_tiny_case_runs_both_sides(tmp_path):
 
 
 def test_breakdown_times_every_part_of_the_tiny_step():
-  from jax_drafter import breakdown, memory
+  from jax_drafter.tools import breakdown, memory
   plan = memory.build_plan("tiny", [])
   graphdef, state, batch, frozen = memory.random_inputs(plan)
   parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=plan.cfg, t=plan.train,
