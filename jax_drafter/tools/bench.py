@@ -1,7 +1,7 @@
 """python -m jax_drafter.tools.bench: the full drafter training step, JAX vs the PyTorch path, same run.
 
 Each (case, side) runs in its own subprocess so peaks are clean and an out-of-memory on one side
-is reported, not fatal. The PyTorch side (bridge/bench_torch.py) is the reference drafter with
+is reported, not fatal. The PyTorch side (bridge/twin/bench_torch.py) is the reference drafter with
 compiled flex_attention and checkpointed chunked CE, f32 master weights, bf16 autocast, fused
 AdamW: what SpecForge-style trainers run. Both sides use random weights and identical shapes.
 
@@ -63,7 +63,7 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
 
 
 def _worker_cmd(side: str, case: str, args) -> list[str]:
-  mod = "jax_drafter.tools.bench" if side == "jax" else "bridge.bench_torch"
+  mod = "jax_drafter.tools.bench" if side == "jax" else "bridge.twin.bench_torch"
   cmd = [sys.executable, "-m", mod, "--worker", "--case", case, "--steps", str(args.steps),
          "--ce-chunk", str(args.ce_chunk)]
   if side == "jax":   # --remat is the JAX drafter's; the PyTorch path checkpoints its CE chunks only

@@ -10,7 +10,7 @@ same packed rows (data.BatchIterator over the run's dataset), the same target fe
 once per step by bridge.target and handed to JAX through DLPack), the same anchors and the same
 learning rate. The JAX side is the real jitted train step (step.make_train_step + jit_train_step:
 the optimizer of step.make_optimizer, the non-finite guard, anchors sampled inside the step from
-fold_in(rng, step)); the torch side is bridge/reference_drafter.py with torch.optim.AdamW set up
+fold_in(rng, step)); the torch side is bridge/twin/reference_drafter.py with torch.optim.AdamW set up
 as that optax chain (jax_drafter.tools.parity.torch_adamw / torch_lr / torch_update). The torch side
 gets the step's anchors by repeating the step's key derivation outside it (parity.step_anchors),
 so the step itself runs unchanged. After K steps both drafters decode the same held-out prompts by
@@ -109,7 +109,7 @@ def torch_train_step(model, topt, t, micros, anchors, frozen, lr: float) -> dict
   """One optimizer step of the reference drafter, the twin of step.make_train_step: gradients of
   sum(CE * w) per micro-batch, summed, divided by the global sum(w); clip; AdamW at `lr`."""
   import torch
-  from bridge import reference_drafter as ref
+  from bridge.twin import reference_drafter as ref
   topt.zero_grad(set_to_none=True)
   total = None
   for micro, (a, v) in zip(micros, anchors, strict=True):
@@ -144,7 +144,7 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
   import jax                                                           # JAX before torch's CUDA
   import torch
 
-  from bridge import reference_drafter as ref
+  from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff, import_frozen
   from bridge.weights import load_flat_into
   from jax_drafter import step, trainer

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
   import torch
   from flax import nnx
 
-  from bridge import reference_drafter as ref
+  from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff
   from bridge.weights import load_flat_into
   from jax_drafter import objective, step

@@ -11,7 +11,7 @@ for one call); "ideal" is inputs + outputs (+ gradients). Alternatives in the sa
   xla    the dense-mask reference under XLA (materialises [Q, S] scores; only where it fits),
   cudnn  jax.nn.dot_product_attention(implementation="cudnn"), dense causal self-attention over
          T = N*16 tokens with the same heads (a ceiling: the best fused attention on this GPU),
-  flex   torch flex_attention compiled on the identical mask (bridge.torch_attention), block mask
+  flex   torch flex_attention compiled on the identical mask (bridge.twin.torch_attention), block mask
          built once outside the timed region; "flex+mask" is the bridge's whole call.
 """
 
@@ -135,12 +135,12 @@ def bench_jax_fn(attn, xs, flops_fwd, row, reps):
 
 
 def bench_flex(xs, idx, *, window, flops_fwd, shape, reps):
-  """torch flex_attention (compiled) on the identical mask, through bridge.torch_attention."""
+  """torch flex_attention (compiled) on the identical mask, through bridge.twin.torch_attention."""
   try:
     import torch
-    from bridge import torch_attention
+    from bridge.twin import torch_attention
   except ImportError as e:
-    return [Row("flex", "-", shape, note=f"bridge.torch_attention unavailable: {e}")]
+    return [Row("flex", "-", shape, note=f"bridge.twin.torch_attention unavailable: {e}")]
   dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
   layer = "full" if window is None else f"w{window}"
   tq, tkc, tvc, tkb, tvb = (torch.from_numpy(np.array(x.astype(jnp.float32))).to(dev)

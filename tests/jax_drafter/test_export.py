@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from bridge import reference_drafter as ref
+from bridge.twin import reference_drafter as ref
 from bridge.weights import flat_from_torch, load_zlab_into
 from jax_drafter import export
 from jax_drafter.config import DrafterConfig, TrainSection

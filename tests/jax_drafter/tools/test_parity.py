@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.torch_attention import dflash_attention_torch
+from bridge.twin.torch_attention import dflash_attention_torch
 from jax_drafter import objective
 from jax_drafter.config import DrafterConfig
 from jax_drafter.tools import parity

@@ -26,7 +26,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       rotate_half)
 
-from bridge.torch_attention import dflash_attention_torch
+from bridge.twin.torch_attention import dflash_attention_torch
 
 
 def qwen3_config(cfg) -> Qwen3Config:
@@ -103,7 +103,7 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-  """z-lab DFlash drafter. `attention` is a bridge.torch_attention backend (eager|sdpa|flex)."""
+  """z-lab DFlash drafter. `attention` is a bridge.twin.torch_attention backend (eager|sdpa|flex)."""
 
   def __init__(self, cfg, *, compute_dtype: torch.dtype = torch.float32, attention: str = "eager"):
     super().__init__()

@@ -1,6 +1,6 @@
 """The PyTorch path of `python -m jax_drafter.tools.bench` (a torch-only worker process).
 
-What SpecForge-style trainers run: the reference drafter (bridge/reference_drafter.py) with f32
+What SpecForge-style trainers run: the reference drafter (bridge/twin/reference_drafter.py) with f32
 master weights under bf16 autocast, compiled flex_attention, chunked CE with each chunk under
 activation checkpointing (bf16 matmul, f32 logits), gradient clipping and fused AdamW.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from bridge import reference_drafter as ref
+from bridge.twin import reference_drafter as ref
 from jax_drafter import presets
 from jax_drafter.tools.bench import CASES, sample_anchors
 

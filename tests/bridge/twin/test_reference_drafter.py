@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from bridge import reference_drafter as ref
-from bridge.torch_attention import BACKENDS, dflash_attention_torch
+from bridge.twin import reference_drafter as ref
+from bridge.twin.torch_attention import BACKENDS, dflash_attention_torch
 from jax_drafter import objective
 from jax_drafter.config import DrafterConfig
 from jax_drafter.export import zlab_shapes
@@ -129,7 +129,7 @@ def test_module_names_are_zlab_names():
 def test_forward_builds_each_window_mask_once(monkeypatch):
   """The layers of one forward share their masks: 3 layers with 2 distinct windows build 2 dense
   masks (not 3), and the output equals the eager oracle's, which builds its masks inline."""
-  from bridge import torch_attention
+  from bridge.twin import torch_attention
   cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                       num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, vocab_size=128,
                       num_target_layers=8, target_layer_ids=(1, 4), mask_token_id=3, block_size=K,
