@@ -36,16 +36,16 @@ part_cmds() {
     kernel-bench)   # alone on the machine: CPU load from other jobs slows the launch-bound rows
       run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 200 ;;
     parity)
-      run timeout 560 python3 -m jax_drafter.tools.parity --config qwen3.6-27b --device gpu \
+      run timeout 560 python3 -m jax_drafter.tools.parity --config 27b-8k --device gpu \
           --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
           --json "$OUT/parity.json" ;;
     memory)
       for sn in "8192 1024" "65536 2048"; do
         set -- $sn
-        run timeout 150 python3 -m jax_drafter.tools.memory --config qwen3.6-27b --seq-len "$1" \
+        run timeout 150 python3 -m jax_drafter.tools.memory --config 27b-8k --seq-len "$1" \
             --anchors "$2" --run --no-scaling
       done
-      run timeout 300 python3 -m jax_drafter.tools.memory --config qwen3.6-27b --seq-len 131072 \
+      run timeout 300 python3 -m jax_drafter.tools.memory --config 27b-8k --seq-len 131072 \
           --anchors 4096 --budget 96GiB --run --no-scaling ;;
     bench)
       run timeout 420 python3 -m jax_drafter.tools.bench --case 27b-8k --breakdown 27b-8k --timeout 400 \

@@ -10,13 +10,13 @@ from safetensors.numpy import load_file, save_file
 
 from bridge.twin import reference_drafter as ref
 from bridge.weights import flat_from_torch, load_zlab_into
-from jax_drafter import export
-from jax_drafter.config import DrafterConfig, TrainSection
+from jax_drafter import export, presets
+from jax_drafter.config import TrainSection
 from jax_drafter.model import Drafter
 from jax_drafter.params import to_flat
 from jax_drafter.tools import parity
 
-CFG = DrafterConfig(**parity.PRESETS["tiny"]["drafter"])
+CFG = presets.get("tiny-parity")
 
 
 def _params(seed=0):

@@ -39,9 +39,9 @@ def test_tiny_case_runs_both_sides(tmp_path):
 
 
 def test_breakdown_times_every_part_of_the_tiny_step():
-  from jax_drafter.tools import breakdown, memory
-  plan = memory.build_plan("tiny", [])
-  graphdef, state, batch, frozen = memory.random_inputs(plan)
+  from jax_drafter.tools import breakdown, plans
+  plan = plans.build_plan("tiny-memory", [])
+  graphdef, state, batch, frozen = plans.random_inputs(plan)
   parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=plan.cfg, t=plan.train,
                                    reps=1)
   n = plan.cfg.num_hidden_layers

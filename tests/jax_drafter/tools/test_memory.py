@@ -16,14 +16,14 @@ import pytest
 from jax_drafter import objective
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
-from jax_drafter.tools import memory
+from jax_drafter.tools import memory, plans
 
 TOL = dict(atol=1e-5, rtol=1e-5)     # remat only reorders f32 arithmetic
 
 
 def _plan(**train):
-  plan = memory.build_plan("tiny", ["drafter.num_hidden_layers=1",
-                                    "drafter.layer_types=[sliding_attention]"])
+  plan = plans.build_plan("tiny-memory", ["drafter.num_hidden_layers=1",
+                                          "drafter.layer_types=[sliding_attention]"])
   return plan.replace(**train) if train else plan
 
 
@@ -160,9 +160,9 @@ def test_remat_policy_same_loss_and_grads(remat, remat_inputs, no_remat):
     np.testing.assert_allclose(g, g0, **TOL)
 
 
-@pytest.mark.parametrize("name", ["qwen3.6-27b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["27b-8k", "8b-8k"])
 def test_memory_presets_describe_the_bench_drafters(name):
-  """memory's run-config presets go through the run config (target dims + drafter section) and
-  must come out as exactly the drafter that bench and parity use."""
+  """A named run's plan goes through the run config (target dims + drafter section) and must
+  come out as exactly the drafter that bench and parity use."""
   from jax_drafter import presets
-  assert memory.build_plan(name).cfg == presets.get(name)
+  assert plans.build_plan(name).cfg == presets.get(presets.RUNS[name].arch)

@@ -13,26 +13,25 @@ import pytest
 import torch
 
 from bridge.twin.torch_attention import dflash_attention_torch
-from jax_drafter import objective
-from jax_drafter.config import DrafterConfig
-from jax_drafter.tools import parity
+from jax_drafter import objective, presets
+from jax_drafter.tools import parity, plans
 from pallas_kernels.dflash_attention.api import dflash_attention
 
 
 
 def test_batch_has_packed_rows_and_invalid_blocks():
-  cfg = DrafterConfig(**parity.PRESETS["tiny"]["drafter"])
-  p = parity.PRESETS["tiny"]
-  micro, _ = parity.make_batch(cfg, p["batch"], p["seq_len"], p["num_anchors"], 0, torch.float32, "cpu")
+  p = presets.RUNS["tiny-parity"]
+  cfg = presets.get(p.arch)
+  micro, _ = plans.packed_batch(cfg, p.batch, p.seq_len, p.anchors, 0, torch.float32, "cpu")
   assert all(len(np.unique(row)) == 2 for row in micro["doc_id"].numpy())
   _, valid = objective.sample_anchors(jax.random.key(0), jnp.asarray(micro["loss_mask"].numpy()),
-                                      jnp.asarray(micro["doc_id"].numpy()), p["num_anchors"])
+                                      jnp.asarray(micro["doc_id"].numpy()), p.anchors)
   assert np.asarray(valid)[0].all() and not np.asarray(valid)[1].all()
 
 
 def test_parity_tiny_f32_with_20_step_trajectory(tmp_path, capsys):
   report = tmp_path / "parity.json"
-  rc = parity.main(["--config", "tiny", "--steps", "20", "--json", str(report)])
+  rc = parity.main(["--config", "tiny-parity", "--steps", "20", "--json", str(report)])
   out = capsys.readouterr().out
   assert rc == 0, out
   rep = json.loads(report.read_text())
