@@ -34,7 +34,7 @@ part_cmds() {
       python3 -c "import xdist" 2>/dev/null && xd="-n 6"
       run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd ;;
     kernel-bench)   # alone on the machine: CPU load from other jobs slows the launch-bound rows
-      run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 200 ;;
+      run timeout 300 python3 -m bridge.twin.bench_attention --budget-s 200 ;;
     parity)
       run timeout 560 python3 -m jax_drafter.tools.parity --config 27b-8k --device gpu \
           --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
