@@ -4,6 +4,8 @@ The step is compiled ahead of time from abstract shapes (no weights, no data, no
 XLA's memory plan is fixed at compile time, so the peak, the buffers alive at it and the Python
 line that created each one can be printed before anything can run out of memory. Shape letters as
 in config.py. Peak = arguments + outputs that do not reuse a donated input + temporaries.
+`--train --config RUN.yaml --dump DIR` reports the first step of the real training run instead
+(StepReport), with the measured peak next to the prediction.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +27,8 @@ from jax_drafter import config as config_lib
 from jax_drafter import step as step_lib
 from jax_drafter.tools import plans, xla_dump
 from jax_drafter.tools.plans import Plan
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -341,23 +346,39 @@ def run_step(plan: Plan, dump_dir: str | None = None) -> tuple[Report, dict]:
   return rep, out
 
 
-def memory_report_for_step(jitted_step, state, batch, frozen, out_dir: str) -> dict:
-  """For `train --memory-report DIR`: the memory plan of the step about to run, written to out_dir.
+class StepReport:
+  """The memory plan of a real training run's first step, and its measured peak.
 
-  Lowers `jitted_step` with the real arguments' shapes and shardings (nothing is executed or
-  donated), writes XLA's dumps, memory_analysis.json and report.txt, and returns
-  {"predicted_peak_bytes", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-   "arguments", "peak_buffers", "report_path"}.
+  `trainer.train(cfg, first_step=StepReport(DIR))`, or on the command line `--train --config
+  RUN.yaml --dump DIR`. Before the step runs, its jitted function is lowered with the real
+  arguments' shapes and shardings (nothing is executed or donated) and XLA's dumps,
+  memory_analysis.json and report.txt are written to DIR; once it is dispatched, the backend's
+  measured peak is logged next to the prediction. `result`: {"predicted_peak_bytes",
+  "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "arguments", "peak_buffers",
+  "report_path", "measured_peak_bytes"}.
   """
-  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-  args = jax.tree.map(spec, (state, batch, frozen))
-  rep, _ = compile_and_analyze(jitted_step.lower(*args), plans.categories(*args), title="train step",
-                               dump_dir=out_dir, fast=False)
-  return {"predicted_peak_bytes": rep.peak_bytes, "argument_bytes": rep.argument_bytes,
-          "output_bytes": rep.output_bytes, "alias_bytes": rep.alias_bytes,
-          "temp_bytes": rep.temp_bytes, "arguments": rep.arguments,
-          "peak_buffers": [b.as_dict() for b in rep.peak_buffers],
-          "report_path": os.path.join(out_dir, "report.txt")}
+
+  def __init__(self, out_dir: str):
+    self.out_dir = out_dir
+    self.result: dict | None = None
+
+  def before(self, jitted_step, state, batch, frozen) -> None:
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    args = jax.tree.map(spec, (state, batch, frozen))
+    rep, _ = compile_and_analyze(jitted_step.lower(*args), plans.categories(*args),
+                                 title="train step", dump_dir=self.out_dir, fast=False)
+    self.result = {"predicted_peak_bytes": rep.peak_bytes, "argument_bytes": rep.argument_bytes,
+                   "output_bytes": rep.output_bytes, "alias_bytes": rep.alias_bytes,
+                   "temp_bytes": rep.temp_bytes, "arguments": rep.arguments,
+                   "peak_buffers": [b.as_dict() for b in rep.peak_buffers],
+                   "report_path": os.path.join(self.out_dir, "report.txt")}
+
+  def after(self, metrics) -> None:
+    jax.block_until_ready(metrics)
+    measured = self.result["measured_peak_bytes"] = measured_peak_bytes()
+    log.info("memory at step 1: predicted peak %s GiB, measured %s",
+             gib(self.result["predicted_peak_bytes"]).strip(),
+             "n/a on this backend" if measured is None else f"{gib(measured).strip()} GiB")
 
 
 # ---- CLI ----
@@ -379,12 +400,21 @@ def main(argv=None) -> int:
   p.add_argument("--dump", help="write XLA's HLO, buffer assignment, live ranges and JSON here")
   p.add_argument("--run", action="store_true", help="also run one real step and measure the peak")
   p.add_argument("--no-scaling", action="store_true", help="skip the 2x S / 2x N reports")
+  p.add_argument("--train", action="store_true",
+                 help="start the training run of --config (a run-config YAML; jax_drafter.train) "
+                 "and write the memory plan of its first step to --dump, with predicted vs "
+                 "measured peak logged at step 1")
   p.add_argument("overrides", nargs="*", help="section.key=value run-config overrides")
   a = p.parse_args(argv)
   flags = {"data.seq_len": a.seq_len, "train.num_anchors": a.anchors, "data.batch_size": a.batch,
            "train.remat": a.remat, "train.ce_chunk_size": a.ce_chunk,
            "train.grad_accum": a.grad_accum, "train.attention": a.attention}
   ovs = list(a.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None]
+  if a.train:
+    if a.config in plans.NAMES or not a.dump or a.target or a.budget or a.run:
+      p.error("--train takes a run-config YAML and --dump DIR (not --target, --budget or --run)")
+    from jax_drafter import train as train_cli   # its import sets the environment JAX needs
+    return train_cli.main(["--config", a.config, *ovs], first_step=StepReport(a.dump))
   plan = plans.build_plan(a.config, ovs, a.target)
   base = None
   if not (a.run and a.no_scaling and not a.budget):   # else the real run's compile reports

@@ -10,34 +10,19 @@ import pytest
 
 from jax_drafter import train as train_cli
 from jax_drafter import trainer
-from jax_drafter.config import load_config
 
-
-def _cfg(target_dir, data, out, *extra):
-  return load_config(None, [
-      f"target.path={target_dir}", f"data.path={data}", "data.max_conversations=40",
-      "data.held_out=2", "data.seq_len=96", "data.batch_size=2", "data.cache_dir=null",
-      "drafter.num_hidden_layers=2", "drafter.block_size=4",
-      "drafter.layer_types=[sliding_attention, full_attention]", "drafter.sliding_window=8",
-      "train.num_anchors=4", "train.steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",
-      "train.checkpoint_every=2", "train.log_every=1", "train.ce_chunk_size=16",
-      "train.tensorboard=false", f"train.output_dir={out}", *extra])
-
-
-def _losses(out):
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+from tiny_fixtures import run_losses, tiny_run_config
 
 
 def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tmp_path, capsys):
   out = str(tmp_path / "run")
-  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.eval_prompts=2", "train.grad_accum=2",
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.eval_prompts=2", "train.grad_accum=2",
              "train.eval_max_new_tokens=6")
   overrides = [f"{s}.{k}={json.dumps(v) if not isinstance(v, str) else v}"
                for s, sec in cfg.to_dict().items() for k, v in sec.items()]
   rc = train_cli.main(["--quiet", "--config", os.devnull] + overrides)
   assert rc == 0
-  losses = _losses(out)
+  losses = run_losses(out)
   assert sorted(losses) == list(range(1, 7))
   assert all(np.isfinite(v) for v in losses.values())
   assert sorted(os.listdir(os.path.join(out, "checkpoints")))[-1] == "6"
@@ -53,11 +38,11 @@ def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tm
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, sharegpt_sample, tmp_path):
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
-  trainer.train(_cfg(tiny_target_dir, sharegpt_sample, a))
-  first = trainer.train(_cfg(tiny_target_dir, sharegpt_sample, b), stop_after=3)
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, a))
+  first = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, b), stop_after=3)
   assert first["final_step"] == 3
-  trainer.train(_cfg(tiny_target_dir, sharegpt_sample, b))
-  la, lb = _losses(a), _losses(b)
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, b))
+  la, lb = run_losses(a), run_losses(b)
   assert sorted(lb) == list(range(1, 7))
   for s in range(1, 7):
     assert lb[s] == pytest.approx(la[s], rel=1e-6, abs=1e-7), f"step {s}"
@@ -65,7 +50,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, sharegpt_sampl
 
 def test_ctrl_c_saves_a_checkpoint_and_resumes(tiny_target_dir, sharegpt_sample, tmp_path):
   out = str(tmp_path / "int")
-  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.checkpoint_every=100")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.checkpoint_every=100")
 
   def update(step, metrics):
     if step == 2:
@@ -84,7 +69,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_state(tiny_target_dir, shareg
   import torch
   from bridge.target import Target
   out = str(tmp_path / "nan")
-  cfg = _cfg(tiny_target_dir, sharegpt_sample, out)
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out)
   real = Target.features
   calls = {"n": 0}
 
@@ -108,9 +93,9 @@ def test_nan_stops_the_run_and_keeps_the_last_good_state(tiny_target_dir, shareg
 
 def test_architecture_change_on_resume_is_refused(tiny_target_dir, sharegpt_sample, tmp_path):
   out = str(tmp_path / "arch")
-  trainer.train(_cfg(tiny_target_dir, sharegpt_sample, out, "train.steps=2"))
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=2"))
   with pytest.raises(trainer.TrainingError, match="different architecture.*num_hidden_layers"):
-    trainer.train(_cfg(tiny_target_dir, sharegpt_sample, out, "drafter.num_hidden_layers=1",
+    trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, "drafter.num_hidden_layers=1",
                        "drafter.layer_types=[full_attention]"))
 
 
@@ -128,30 +113,14 @@ def test_real_default_run_shortened(tmp_path):
                        "data.held_out=2", "data.seq_len=128", "data.cache_dir=null",
                        "train.checkpoint_every=2", f"train.output_dir={out}"])
   assert rc == 0
-  losses = _losses(out)
+  losses = run_losses(out)
   assert sorted(losses) == [1, 2, 3] and all(np.isfinite(list(losses.values())))
   assert os.path.exists(os.path.join(out, "export", "model.safetensors"))
 
 
-def test_memory_report_for_the_run_it_starts(tiny_target_dir, sharegpt_sample, tmp_path):
-  out, rep = str(tmp_path / "mem"), str(tmp_path / "mem_report")
-  summary = trainer.train(_cfg(tiny_target_dir, sharegpt_sample, out, "train.steps=1"),
-                          memory_report=rep)
-  m = summary["memory"]
-  assert m["predicted_peak_bytes"] > m["arguments"]["parameters"] > 0
-  # The backend's measured peak where it keeps allocator statistics (GPU), None where not (CPU).
-  stats = jax.local_devices()[0].memory_stats()
-  if stats and "peak_bytes_in_use" in stats:
-    assert m["measured_peak_bytes"] > 0
-  else:
-    assert m["measured_peak_bytes"] is None
-  text = open(os.path.join(rep, "report.txt")).read()
-  assert "objective.py" in text                # the chunked-CE buffer is named with its source
-
-
 def test_training_on_target_regenerated_conversations(tiny_target_dir, sharegpt_sample, tmp_path):
   out = str(tmp_path / "regen")
-  cfg = _cfg(tiny_target_dir, sharegpt_sample, out, "train.steps=1", "data.regenerate=true",
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=1", "data.regenerate=true",
              "data.regenerate_max_new_tokens=8", "data.max_conversations=6", "data.held_out=1",
              f"data.cache_dir={tmp_path / 'cache'}")
   summary = trainer.train(cfg)
@@ -172,12 +141,12 @@ def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, shar
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   code = (
       "import sys\n"
-      "sys.path.insert(0, 'tests/jax_drafter')\n"
-      "from test_train import _cfg\n"
+      "sys.path.insert(0, 'tests')\n"
+      "from tiny_fixtures import tiny_run_config\n"
       "from jax_drafter import trainer\n"
       "import jax\n"
       "out = sys.argv[1]\n"
-      "s = trainer.train(_cfg(sys.argv[2], sys.argv[3], out, 'train.steps=3'))\n"
+      "s = trainer.train(tiny_run_config(sys.argv[2], sys.argv[3], out, 'train.steps=3'))\n"
       "print('DEVICES', len(jax.local_devices()), s['final_step'])\n")
   losses = {}
   for n in (1, 2):
@@ -187,6 +156,6 @@ def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, shar
     p = subprocess.run([sys.executable, "-c", code, out, tiny_target_dir, sharegpt_sample],
                        capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert p.returncode == 0 and f"DEVICES {n} 3" in p.stdout, p.stderr[-3000:]
-    losses[n] = _losses(out)
+    losses[n] = run_losses(out)
   for s in (1, 2, 3):
     assert losses[2][s] == pytest.approx(losses[1][s], rel=1e-5), s

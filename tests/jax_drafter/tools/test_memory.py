@@ -6,6 +6,7 @@ XLA plans memory differently on CPU and GPU; these tests assert CPU behaviour on
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -13,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_drafter import objective
+from jax_drafter import objective, trainer
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
 from jax_drafter.tools import memory, plans
+
+from tiny_fixtures import tiny_run_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)     # remat only reorders f32 arithmetic
 
@@ -166,3 +169,22 @@ def test_memory_presets_describe_the_bench_drafters(name):
   come out as exactly the drafter that bench and parity use."""
   from jax_drafter import presets
   assert plans.build_plan(name).cfg == presets.get(presets.RUNS[name].arch)
+
+
+# ---- the real run's first step (StepReport) ----
+
+def test_memory_report_for_the_run_it_starts(tiny_target_dir, sharegpt_sample, tmp_path):
+  out, rep = str(tmp_path / "mem"), str(tmp_path / "mem_report")
+  report = memory.StepReport(rep)
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=1"),
+                first_step=report)
+  m = report.result
+  assert m["predicted_peak_bytes"] > m["arguments"]["parameters"] > 0
+  # The backend's measured peak where it keeps allocator statistics (GPU), None where not (CPU).
+  stats = jax.local_devices()[0].memory_stats()
+  if stats and "peak_bytes_in_use" in stats:
+    assert m["measured_peak_bytes"] > 0
+  else:
+    assert m["measured_peak_bytes"] is None
+  text = open(os.path.join(rep, "report.txt")).read()
+  assert "objective.py" in text                # the chunked-CE buffer is named with its source
