@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-  """DESIGN rule: round(1 + i*(L-4)/(n-1)) for n layers of an L-layer target; n=1 -> [L//2]."""
+  """docs/DESIGN.md rule: round(1 + i*(L-4)/(n-1)) for n layers of an L-layer target; n=1 -> [L//2]."""
   if n == 1:
     return (num_target_layers // 2,)
   return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
@@ -187,7 +187,7 @@ class DrafterSection:
   layer_types: tuple[str, ...] | None = None      # None: all full_attention
   sliding_window: int | None = None
   mask_token_id: int | None = None                # None: a reserved special token of the target
-  target_layer_ids: tuple[int, ...] | None = None  # None: DESIGN rule with num_target_features
+  target_layer_ids: tuple[int, ...] | None = None  # None: docs/DESIGN.md rule with num_target_features
   num_target_features: int | None = None           # None: = num_hidden_layers (as z-lab)
   intermediate_size: int | None = None             # None: the target's
   num_attention_heads: int | None = None

@@ -3,7 +3,7 @@
 Benchmarks, memory plans, parity, the torch twin and the tests take their shapes from here; it
 depends on config only, so bridge/ may import it.
   architecture  the z-lab-style DrafterConfig of a drafter for one target (hidden size and
-                vocabulary are the target's; target layer ids follow the DESIGN rule for 5
+                vocabulary are the target's; target layer ids follow the docs/DESIGN.md rule for 5
                 conditioning layers), with that target's name;
   run           an architecture and the shapes of one training step (context, anchors, rows);
   run config    a target's dimensions and the run-config sections that `train` resolves against

@@ -1,4 +1,5 @@
-"""The PyTorch reference DFlash drafter and its training objective (DESIGN.md, "The DFlash contract").
+"""The PyTorch reference DFlash drafter and its training objective (docs/DESIGN.md, "The DFlash
+contract").
 
 Module names are exactly those of z-lab's DFlash checkpoints (`fc`, `hidden_norm`,
 `layers.{i}.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `input_layernorm`,
@@ -176,7 +177,7 @@ def document_starts(doc_id_BxS):
 def build_blocks(anchors_BxN, block_valid_BxN, input_ids_BxS, loss_mask_BxS, doc_id_BxS,
                  position_ids_BxS, *, block_size: int, mask_token_id: int,
                  gamma: float | None) -> Blocks:
-  """Noise ids, positions, labels and loss weights of every block (DESIGN contract)."""
+  """Noise ids, positions, labels and loss weights of every block (docs/DESIGN.md contract)."""
   B, S = input_ids_BxS.shape
   N, K = anchors_BxN.shape[1], block_size
   dev = input_ids_BxS.device

@@ -26,7 +26,7 @@ def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tm
   export = os.path.join(out, "export")
   assert {"model.safetensors", "config.json"} <= set(os.listdir(export))
   zcfg = json.load(open(os.path.join(export, "config.json")))
-  assert zcfg["dflash_config"]["target_layer_ids"] == [1, 1]   # DESIGN rule for L=4, n=2
+  assert zcfg["dflash_config"]["target_layer_ids"] == [1, 1]   # docs/DESIGN.md rule for L=4, n=2
   assert zcfg["layer_types"] == ["sliding_attention", "full_attention"]
   evals = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval_tau" in r]
   assert len(evals) == 1 and evals[0]["step"] == 6 and evals[0]["lossless"] is True
