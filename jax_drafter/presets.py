@@ -8,7 +8,6 @@ depends on config only, so bridge/ may import it.
   run           an architecture and the shapes of one training step (context, anchors, rows);
   run config    a target's dimensions and the run-config sections that `train` resolves against
                 them (memory plans apply `section.key=value` overrides before the drafter exists).
-Where two tools used to give one name different numbers, each kept its numbers under its own name.
 """
 
 from __future__ import annotations
