@@ -141,7 +141,7 @@ class DrafterConfig:
 
 
 # ---- The z-lab drafter directory: DrafterConfig.to_zlab as config.json, and the weights. ----
-# Here, not in export.py, so that the torch side (bridge.weights) reads and checks such a
+# Here, not in export.py, so that the torch side (bridge.twin.weights) reads and checks such a
 # directory without importing JAX, Flax and the model.
 
 ZLAB_CONFIG = "config.json"

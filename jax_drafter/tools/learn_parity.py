@@ -15,8 +15,9 @@ as that optax chain (jax_drafter.tools.parity.torch_adamw / torch_lr / torch_upd
 gets the step's anchors by repeating the step's key derivation outside it (parity.step_anchors),
 so the step itself runs unchanged. After K steps both drafters decode the same held-out prompts by
 real speculative decoding (evaluate.evaluate_tau); the torch-trained weights come back as JAX
-params through bridge.weights. Prints the curves every N steps and PASS/FAIL against TOLERANCES; exit 1
-on FAIL, 2 on a usage or config error. --steps K sets train.steps (the schedule's horizon).
+params through bridge.twin.weights. Prints the curves every N steps and PASS/FAIL against
+TOLERANCES; exit 1 on FAIL, 2 on a usage or config error. --steps K sets train.steps (the
+schedule's horizon).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
 
   from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff, import_frozen
-  from bridge.weights import load_flat_into
+  from bridge.twin.weights import load_flat_into
   from jax_drafter import step, trainer
   from jax_drafter.params import to_flat
 
@@ -279,7 +280,7 @@ def evaluate_both(cfg, target, dcfg, ds, jdev, graphdef, params, model, frozen_j
   the torch-trained one (its weights converted to JAX params). -> {"jax": report, "torch": report}."""
   import jax
 
-  from bridge.weights import flat_from_torch
+  from bridge.twin.weights import flat_from_torch
   from jax_drafter import step
   from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
   from jax_drafter.params import from_flat

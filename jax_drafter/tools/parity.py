@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
   from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff
-  from bridge.weights import load_flat_into
+  from bridge.twin.weights import load_flat_into
   from jax_drafter import objective, step
   from jax_drafter.params import abstract_model, to_flat
   from jax_drafter.tools import plans

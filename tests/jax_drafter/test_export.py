@@ -9,7 +9,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from bridge.twin import reference_drafter as ref
-from bridge.weights import load_zlab_into
+from bridge.twin.weights import load_zlab_into
 from jax_drafter import export, presets
 from jax_drafter.config import TrainSection
 from jax_drafter.model import Drafter

@@ -1,11 +1,12 @@
-"""Weights between the Flax drafter, the PyTorch reference and z-lab directories (bridge/weights.py)."""
+"""bridge/twin/weights.py: weights between the Flax drafter, the PyTorch reference and z-lab
+directories."""
 
 import numpy as np
 import pytest
 from flax import nnx
 
 from bridge.twin import reference_drafter as ref
-from bridge.weights import flat_from_torch, load_zlab_into
+from bridge.twin.weights import flat_from_torch, load_zlab_into
 from jax_drafter import export, presets
 from jax_drafter.model import Drafter
 from jax_drafter.params import to_flat
@@ -34,7 +35,7 @@ def test_zlab_dir_loads_into_reference_and_matches(tmp_path, capsys):
 
 
 def test_torch_flax_round_trip():
-  from bridge.weights import flat_from_torch, load_flat_into
+  from bridge.twin.weights import flat_from_torch, load_flat_into
   from jax_drafter.params import from_flat
   flat = {k: np.asarray(v) for k, v in to_flat(_params(5)).items()}
   model = ref.build_reference(CFG)
