@@ -1,4 +1,4 @@
-"""The one place where torch tensors become JAX arrays (DLPack), with every rule of DESIGN.md.
+"""The one place where torch tensors become JAX arrays (DLPack), with every rule of docs/DESIGN.md.
 
 Rules enforced here:
   - only detached, contiguous, 16-byte-aligned tensors are imported, and the JAX buffer must have

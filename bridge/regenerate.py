@@ -1,4 +1,5 @@
-"""Regenerate the assistant turns of conversations with the frozen target (DESIGN data flow step 1).
+"""Regenerate the assistant turns of conversations with the frozen target (docs/DESIGN.md, data
+flow step 1).
 
 DFlash trains the drafter on the target's own outputs. Each assistant turn is replaced by what the
 target generates given the conversation up to that turn (earlier turns already regenerated), and

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-  """DESIGN rule: round(1 + i*(L-4)/(n-1)) for n layers of an L-layer target; n=1 -> [L//2]."""
+  """docs/DESIGN.md rule: round(1 + i*(L-4)/(n-1)) for n layers of an L-layer target; n=1 -> [L//2]."""
   if n == 1:
     return (num_target_layers // 2,)
   return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
@@ -140,6 +140,31 @@ class DrafterConfig:
       raise ConfigError(f"{source}: {e}") from None
 
 
+# ---- The z-lab drafter directory: DrafterConfig.to_zlab as config.json, and the weights. ----
+# Here, not in export.py, so that the torch side (bridge.twin.weights) reads and checks such a
+# directory without importing JAX, Flax and the model.
+
+ZLAB_CONFIG = "config.json"
+ZLAB_WEIGHTS = "model.safetensors"
+
+
+def check_names_and_shapes(want: dict, got: dict, *, source: str) -> None:
+  """Exact key set and shapes; the error names the first offending key."""
+  missing = sorted(set(want) - set(got))
+  unexpected = sorted(set(got) - set(want))
+  more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""
+  if missing:
+    raise ValueError(f"{source}: missing weight {missing[0]!r}{more(missing)}; was it written for "
+                     "a different drafter architecture?")
+  if unexpected:
+    raise ValueError(f"{source}: unexpected weight {unexpected[0]!r}{more(unexpected)}; a DFlash "
+                     "drafter file holds no embedding or LM head, and only this config's layers")
+  for k in sorted(want):
+    if tuple(got[k]) != tuple(want[k]):
+      raise ValueError(f"{source}: weight {k!r} has shape {tuple(got[k])}, the config expects "
+                       f"{tuple(want[k])}")
+
+
 # ---- The run config (YAML sections). `None` means "take it from the target" where noted. ----
 
 @dataclass(frozen=True)
@@ -166,7 +191,7 @@ class DrafterSection:
   layer_types: tuple[str, ...] | None = None      # None: all full_attention
   sliding_window: int | None = None
   mask_token_id: int | None = None                # None: a reserved special token of the target
-  target_layer_ids: tuple[int, ...] | None = None  # None: DESIGN rule with num_target_features
+  target_layer_ids: tuple[int, ...] | None = None  # None: docs/DESIGN.md rule with num_target_features
   num_target_features: int | None = None           # None: = num_hidden_layers (as z-lab)
   intermediate_size: int | None = None             # None: the target's
   num_attention_heads: int | None = None

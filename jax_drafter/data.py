@@ -1,6 +1,6 @@
 """Conversations -> target chat template -> tokens + assistant loss mask -> packed rows.
 
-DESIGN.md data flow steps 1-2. No torch here: the optional regeneration of assistant turns by the
+docs/DESIGN.md data flow steps 1-2. No torch here: the optional regeneration of assistant turns by the
 target lives in `bridge/regenerate.py` and plugs into `build_dataset(regenerate=...)`.
 
 A conversation is `{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}]}`.

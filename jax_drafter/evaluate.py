@@ -4,7 +4,7 @@
         [--target-path DIR --gguf-file F] [--prompts FILE.jsonl] [--num-prompts 16]
         [--max-new-tokens 128] [--block-size K] [--temperature 0] [--json REPORT]
 
-tau (DESIGN.md): each verify step accepts `acc` drafted tokens plus the target's bonus token;
+tau (docs/DESIGN.md): each verify step accepts `acc` drafted tokens plus the target's bonus token;
 tau = mean of acc + 1 over the verify steps of a response, averaged over responses; max = K.
 At temperature 0 the speculative output must equal the target's own greedy output token for token
 (lossless check). A difference where the target's two best logits tie within rounding noise (a bf16

@@ -20,31 +20,12 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from jax_drafter.config import DrafterConfig
+from jax_drafter.config import ZLAB_CONFIG, ZLAB_WEIGHTS, DrafterConfig, check_names_and_shapes
 from jax_drafter.params import abstract_model, from_flat, to_flat
 
 log = logging.getLogger(__name__)
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-def check_names_and_shapes(want: dict, got: dict, *, source: str) -> None:
-  """Exact key set and shapes; the error names the first offending key."""
-  missing = sorted(set(want) - set(got))
-  unexpected = sorted(set(got) - set(want))
-  more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""
-  if missing:
-    raise ValueError(f"{source}: missing weight {missing[0]!r}{more(missing)}; was it written for "
-                     "a different drafter architecture?")
-  if unexpected:
-    raise ValueError(f"{source}: unexpected weight {unexpected[0]!r}{more(unexpected)}; a DFlash "
-                     "drafter file holds no embedding or LM head, and only this config's layers")
-  for k in sorted(want):
-    if tuple(got[k]) != tuple(want[k]):
-      raise ValueError(f"{source}: weight {k!r} has shape {tuple(got[k])}, the config expects "
-                       f"{tuple(want[k])}")
 
 
 def zlab_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -80,23 +61,23 @@ def write_zlab(out_dir: str, cfg: DrafterConfig, params, dtype: str = "bfloat16"
   os.makedirs(out_dir, exist_ok=True)
   conf = cfg.to_zlab()
   conf["torch_dtype"] = dtype
-  tmp_w, tmp_c = (os.path.join(out_dir, f".{n}.tmp") for n in (WEIGHTS, CONFIG))
+  tmp_w, tmp_c = (os.path.join(out_dir, f".{n}.tmp") for n in (ZLAB_WEIGHTS, ZLAB_CONFIG))
   save_file(arrays, tmp_w, metadata={"format": "pt"})
   with open(tmp_c, "w") as f:
     json.dump(conf, f, indent=2)
-  os.replace(tmp_w, os.path.join(out_dir, WEIGHTS))
-  os.replace(tmp_c, os.path.join(out_dir, CONFIG))
+  os.replace(tmp_w, os.path.join(out_dir, ZLAB_WEIGHTS))
+  os.replace(tmp_c, os.path.join(out_dir, ZLAB_CONFIG))
   log.info("exported drafter (%s) to %s", dtype, out_dir)
   return out_dir
 
 
 def read_zlab(zlab_dir: str):
   """A z-lab DFlash directory -> (DrafterConfig, graphdef, float32 params)."""
-  cpath, wpath = os.path.join(zlab_dir, CONFIG), os.path.join(zlab_dir, WEIGHTS)
+  cpath, wpath = os.path.join(zlab_dir, ZLAB_CONFIG), os.path.join(zlab_dir, ZLAB_WEIGHTS)
   for p in (cpath, wpath):
     if not os.path.isfile(p):
-      raise FileNotFoundError(f"{p} does not exist; a z-lab drafter directory holds {CONFIG} "
-                              f"and {WEIGHTS}")
+      raise FileNotFoundError(f"{p} does not exist; a z-lab drafter directory holds {ZLAB_CONFIG} "
+                              f"and {ZLAB_WEIGHTS}")
   with open(cpath) as f:
     try:
       conf = json.load(f)
@@ -122,7 +103,7 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   write_zlab(args.out, cfg, params, args.dtype)
-  print(f"wrote {os.path.join(args.out, WEIGHTS)} and {CONFIG} ({args.dtype})")
+  print(f"wrote {os.path.join(args.out, ZLAB_WEIGHTS)} and {ZLAB_CONFIG} ({args.dtype})")
   return 0
 
 

@@ -5,7 +5,7 @@ every layer's context keys `rope(k_norm(k_proj(ctx)), pos)` and values `v_proj(c
 appends only the newly accepted positions, and the block's own K/V are never cached (the block
 `[last accepted, MASK, ...]` is recomputed every step). The proposal is the DFlash contract with one
 block whose anchor is the context length n (all of the context is visible): it must equal
-`Drafter.__call__` for the same context (tests/jax_drafter/test_evaluate.py checks it).
+`Drafter.__call__` for the same context (tests/jax_drafter/test_inference.py checks it).
 
 Static shapes so jit compiles once per (max_len, K): the cache is padded to `max_len` (a power of
 two), context is appended in chunks of K rows, and n is a traced scalar. Padding rows past n are

@@ -1,4 +1,4 @@
-"""The DFlash training objective as pure functions of arrays (DESIGN.md, "The DFlash contract").
+"""The DFlash training objective as pure functions of arrays (docs/DESIGN.md, "The DFlash contract").
 
 Anchors -> noise blocks -> positions -> labels and decay weights -> chunked cross entropy against
 the frozen LM head -> loss, accuracy and accepted-length metrics. Letters as in config.py.
@@ -64,7 +64,7 @@ def sample_anchors(key, loss_mask_BxS, doc_id_BxS, num_anchors: int):
 def build_blocks(anchors_BxN, block_valid_BxN, input_ids_BxS, loss_mask_BxS, doc_id_BxS,
                  position_ids_BxS, *, block_size: int, mask_token_id: int,
                  gamma: float | None) -> Blocks:
-  """Noise ids, positions, labels and loss weights of every block (DESIGN contract)."""
+  """Noise ids, positions, labels and loss weights of every block (docs/DESIGN.md contract)."""
   B, S = input_ids_BxS.shape
   N, K = anchors_BxN.shape[1], block_size
   k = jnp.arange(K, dtype=jnp.int32)

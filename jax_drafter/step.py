@@ -89,7 +89,7 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
 def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_size: int,
                   compute_dtype):
   """CE and argmax [B, Q] of block offsets 1..K-1 only: offset 0 (the anchor's own token) never
-  has a label (weight 0 by the DESIGN contract), so its LM-head rows are not computed at all,
+  has a label (weight 0 by the docs/DESIGN.md contract), so its LM-head rows are not computed at all,
   1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1."""
   B, Q, D = h_BxQxD.shape
   K = block_size

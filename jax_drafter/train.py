@@ -3,7 +3,7 @@
 Examples:
   python -m jax_drafter.train                                  # the built-in default run
   python -m jax_drafter.train --config configs/smollm2.yaml train.steps=50
-  python -m jax_drafter.train --config my.yaml --set train.output_dir=runs/x --memory-report runs/x/mem
+  python -m jax_drafter.train --config my.yaml --set train.output_dir=runs/x
 Rerunning the same command with the same output_dir resumes from the last checkpoint.
 """
 
@@ -33,9 +33,6 @@ def _parser() -> argparse.ArgumentParser:
                  help="override config values, e.g. train.steps=100 data.seq_len=256")
   p.add_argument("--set", dest="more", action="append", default=[], metavar="section.key=value",
                  help="same as a positional override (repeatable)")
-  p.add_argument("--memory-report", metavar="DIR", default=None,
-                 help="write the XLA memory report of the step to DIR and log predicted vs "
-                      "measured peak at step 1")
   p.add_argument("--max-minutes", type=float, default=None, metavar="M",
                  help="stop after M minutes of training with a checkpoint (and the evaluation, "
                       "if configured); rerun the same command to continue")
@@ -44,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, first_step=None) -> int:
+  """first_step: passed to trainer.train (a tool's measurement of the real step)."""
   args = _parser().parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       datefmt="%H:%M:%S")
@@ -66,7 +64,7 @@ def main(argv=None) -> int:
   log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
   progress = None if args.quiet else _tqdm_progress()
   try:
-    summary = trainer.train(cfg, progress=progress, memory_report=args.memory_report,
+    summary = trainer.train(cfg, progress=progress, first_step=first_step,
                             time_budget_s=None if args.max_minutes is None else 60 * args.max_minutes)
   except (trainer.TrainingError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -154,7 +154,168 @@ class Placement:
     return self.split_rows(handoff.put(feats_t, name="target features"))
 
 
-def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: str | None = None,
+class _Run:
+  """One invocation of train(): the state that the loop, checkpoints, metrics and evaluation share.
+
+  Built in the order a run starts: target and data, drafter state (resumed if the output directory
+  holds a checkpoint), devices, frozen weights, the jitted step, the metric sinks.
+  """
+
+  def __init__(self, cfg: RunConfig, progress: Progress):
+    from bridge.handoff import Handoff, import_frozen
+
+    self.cfg, self.progress = cfg, progress
+    t = self.t = cfg.train
+    out = self.out = t.output_dir
+    os.makedirs(out, exist_ok=True)
+    self.target, self.dcfg, self.ds = setup(cfg)
+    dcfg = self.dcfg
+    log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
+    A, B = t.grad_accum, cfg.data.batch_size
+    optimizer = step_lib.make_optimizer(t)
+    self.graphdef, state = step_lib.init_state(dcfg, t, optimizer)
+    self.batches = data_lib.BatchIterator(self.ds.rows, B, seed=cfg.data.seed)
+    self.mngr = ckpt.manager(out, keep=t.keep_checkpoints)
+    if self.mngr.latest_step() is not None:
+      state = self._resume(state)
+    ckpt.save_json(os.path.join(out, "config.json"),
+                   {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
+
+    # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
+    # The drafter's device: features from a target on another GPU are copied there explicitly.
+    self.place = Placement(B)
+    self.state = self.place.replicate(state)
+    self.keep = Handoff()
+    frozen = import_frozen(self.target.embedding, self.target.lm_head, self.keep,
+                           device=self.place.device)
+    self.frozen = self.place.replicate(frozen)
+    self.step_fn = step_lib.jit_train_step(
+        step_lib.make_train_step(self.graphdef, dcfg, t, optimizer, _attn_impl(t)),
+        out_shardings=None if self.place.mesh is None else self.place.replicated)
+    from bridge.target import FeatureCache
+    gib = cfg.target.feature_cache_gib
+    self.features = FeatureCache(self.target, gib * 2**30) if gib > 0 else self.target
+
+    self.metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
+    self.writer = None
+    if t.tensorboard:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+    self.tokens_per_step = A * B * cfg.data.seq_len
+    self.first = int(self.state.step)
+    self.summary: dict[str, Any] = {"output_dir": out, "start_step": self.first}
+    self.data_state = self.batches.state_dict()     # iterator position matching `state`
+    self.last_saved = self.first if self.first else None
+    self.pending = None                             # (step index, metrics, handoff): not read yet
+    self.history: list[dict] = []
+    self.references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
+    self.t_prev = time.time()
+
+  def _resume(self, state):
+    _, meta = ckpt.read_meta(self.mngr)
+    saved = DrafterConfig.from_zlab(meta["drafter_config"])
+    if saved != self.dcfg:
+      diff = [f.name for f in dataclasses.fields(self.dcfg)
+              if getattr(saved, f.name) != getattr(self.dcfg, f.name)]
+      raise TrainingError(f"{self.out}/checkpoints holds a drafter with a different architecture "
+                          f"(fields {diff}); use another train.output_dir or the same config")
+    state, meta = ckpt.restore(self.mngr, state)
+    self.batches.load_state_dict(meta["data"])
+    log.info("resumed from %s at step %d", self.mngr.directory, int(state.step))
+    return state
+
+  def next_batch(self):
+    micro = [next(self.batches) for _ in range(self.t.grad_accum)]
+    host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+    return host, self.features.stacked_features(micro, self.dcfg.target_layer_ids)
+
+  def save(self):
+    s = ckpt.save(self.mngr, self.state, {
+        "drafter_config": self.dcfg.to_zlab(), "run_config": self.cfg.to_dict(),
+        "data": self.data_state, "history_tail": self.history[-5:]})
+    self.last_saved = s
+    log.info("checkpoint step %d -> %s", s, self.mngr.directory)
+
+  def flush(self):
+    """Read the metrics of the step in flight (if any): log them, stop on NaN/Inf."""
+    if self.pending is None:
+      return
+    (i, metrics, h), self.pending = self.pending, None
+    t = self.t
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    h.release_after()
+    now = time.time()
+    m["tokens_per_s"] = self.tokens_per_step / max(now - self.t_prev, 1e-9)
+    self.t_prev = now
+    m["step"] = i + 1
+    if not m.pop("finite"):
+      raise TrainingError(
+          f"loss or gradients became NaN/Inf at step {i + 1} (loss={m['loss']}, grad_norm="
+          f"{m['grad_norm']}); that update was not applied and the run stopped. The last good "
+          f"state is saved in {self.mngr.directory}. Lower train.learning_rate or check the data, "
+          "then rerun the same command to resume.")
+    self.history.append(m)
+    self.progress.update(i + 1, m)
+    if (i + 1) % t.log_every == 0 or i + 1 == t.steps or i == self.first:
+      log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f", i + 1,
+               t.steps, m["loss"], m["accuracy"], m["tau_estimate"], m["lr"], m["grad_norm"],
+               m["tokens_per_s"])
+    self.metrics_file.write(json.dumps(m) + "\n")
+    self.metrics_file.flush()
+    if self.writer is not None:
+      for k, v in m.items():
+        if k != "step":
+          self.writer.add_scalar(f"train/{k}", v, i + 1)
+
+  def evaluate(self, step):
+    """Real speculative decoding on held-out prompts; logs tau next to the training estimate.
+
+    The target-only reference is decoded at the first evaluation only (`references`)."""
+    from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
+    t, target = self.t, self.target
+    prompts = prompts_from_conversations(self.ds.held_out, t.eval_prompts, tokenizer=target.tokenizer,
+                                         max_prompt_tokens=target.info.max_position_embeddings // 2)
+    if not prompts:
+      log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
+      return None
+    report = evaluate_tau(target, self.dcfg, self.graphdef, self.state.params, prompts,
+                          max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=self.frozen,
+                          reference_cache=self.references)
+    est = self.history[-1]["tau_estimate"] if self.history else float("nan")
+    ll = report["lossless"]
+    log.info("step %d: speculative decoding on %d held-out prompts: tau %.3f (training estimate "
+             "%.2f), lossless %s (%d near-ties within rounding noise)", step, len(prompts),
+             report["tau"], est, ll["passed"], len(ll["ties"]))
+    rec = {"step": step, "eval_tau": report["tau"], "train_tau_estimate": est,
+           "lossless": ll["passed"], "near_ties": len(ll["ties"])}
+    self.metrics_file.write(json.dumps(rec) + "\n")
+    if self.writer is not None:
+      self.writer.add_scalar("eval/tau", report["tau"], step)
+    self.summary.setdefault("evaluations", []).append(rec)
+    self.summary["eval_report"] = report
+    return report
+
+  def close(self, completed: bool):
+    """Reached on normal exit, Ctrl-C, and errors: the state in hand is always a good one (a
+    non-finite step leaves it untouched), so it is saved unless it is already on disk."""
+    try:
+      if self.pending is not None:
+        jax.block_until_ready(self.pending[1])
+      if int(self.state.step) != self.last_saved and int(self.state.step) > 0:
+        self.save()
+    except Exception as e:  # noqa: BLE001 - never hide the error that got us here
+      if completed:
+        raise
+      log.error("could not write a final checkpoint (%s); the last one on disk is step %s",
+                e, self.last_saved)
+    finally:
+      self.metrics_file.close()
+      if self.writer is not None:
+        self.writer.close()
+      self.progress.close()
+
+
+def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
           stop_after: int | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
   """Run (or resume) training as configured. Returns a summary dict.
 
@@ -162,136 +323,17 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
   of training have passed in this invocation; rerunning resumes (a run longer than one session).
   stop_after: stop (with a checkpoint) after this many steps of this invocation (tests use it to
   simulate an interruption).
+  first_step: for tools that measure the real step (jax_drafter.tools.memory.StepReport): its
+  before(step_fn, state, batch, frozen) gets the first step's arguments before it is dispatched,
+  its after(metrics) that step's metrics once it is.
   """
-  from bridge.handoff import Handoff, import_frozen
+  from bridge.handoff import Handoff
 
-  progress = progress or Progress()
-  t = cfg.train
-  out = t.output_dir
-  os.makedirs(out, exist_ok=True)
-  target, dcfg, ds = setup(cfg)
-  log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
-  A, B = t.grad_accum, cfg.data.batch_size
-  optimizer = step_lib.make_optimizer(t)
-  graphdef, state = step_lib.init_state(dcfg, t, optimizer)
-  batches = data_lib.BatchIterator(ds.rows, B, seed=cfg.data.seed)
-  mngr = ckpt.manager(out, keep=t.keep_checkpoints)
-  if mngr.latest_step() is not None:
-    _, meta = ckpt.read_meta(mngr)
-    saved = DrafterConfig.from_zlab(meta["drafter_config"])
-    if saved != dcfg:
-      diff = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
-      raise TrainingError(f"{out}/checkpoints holds a drafter with a different architecture "
-                          f"(fields {diff}); use another train.output_dir or the same config")
-    state, meta = ckpt.restore(mngr, state)
-    batches.load_state_dict(meta["data"])
-    log.info("resumed from %s at step %d", mngr.directory, int(state.step))
-  ckpt.save_json(os.path.join(out, "config.json"),
-                 {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
-
-  # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
-  # The drafter's device: features from a target on another GPU are copied there explicitly.
-  place = Placement(B)
-  device = place.device
-  state = place.replicate(state)
-  keep = Handoff()
-  frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
-  frozen = place.replicate(frozen)
-  step_fn = step_lib.jit_train_step(
-      step_lib.make_train_step(graphdef, dcfg, t, optimizer, _attn_impl(t)),
-      out_shardings=None if place.mesh is None else place.replicated)
-
-  from bridge.target import FeatureCache
-  gib = cfg.target.feature_cache_gib
-  features = FeatureCache(target, gib * 2**30) if gib > 0 else target
-
-  def next_batch():
-    micro = [next(batches) for _ in range(A)]
-    host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-    return host, features.stacked_features(micro, dcfg.target_layer_ids)
-
-  metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
-  writer = None
-  if t.tensorboard:
-    from tensorboardX import SummaryWriter
-    writer = SummaryWriter(os.path.join(out, "tensorboard"))
-  tokens_per_step = A * B * cfg.data.seq_len
-  first = int(state.step)
-  total = t.steps
-  summary: dict[str, Any] = {"output_dir": out, "start_step": first}
-  data_state = batches.state_dict()     # iterator position matching `state`
-  last_saved = first if first else None
-  pending = None                        # (step index, metrics, handoff, data_state, t_dispatch)
-  completed = False
-  t_prev = time.time()
-  history: list[dict] = []
-
-  def save():
-    nonlocal last_saved
-    s = ckpt.save(mngr, state, {"drafter_config": dcfg.to_zlab(), "run_config": cfg.to_dict(),
-                                "data": data_state, "history_tail": history[-5:]})
-    last_saved = s
-    log.info("checkpoint step %d -> %s", s, mngr.directory)
-
-  def finish(p):
-    nonlocal t_prev
-    i, metrics, h, _, _ = p
-    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    h.release_after()
-    now = time.time()
-    m["tokens_per_s"] = tokens_per_step / max(now - t_prev, 1e-9)
-    t_prev = now
-    m["step"] = i + 1
-    if not m.pop("finite"):
-      raise TrainingError(
-          f"loss or gradients became NaN/Inf at step {i + 1} (loss={m['loss']}, grad_norm="
-          f"{m['grad_norm']}); that update was not applied and the run stopped. The last good "
-          f"state is saved in {mngr.directory}. Lower train.learning_rate or check the data, "
-          "then rerun the same command to resume.")
-    history.append(m)
-    progress.update(i + 1, m)
-    if (i + 1) % t.log_every == 0 or i + 1 == total or i == first:
-      log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f", i + 1, total,
-               m["loss"], m["accuracy"], m["tau_estimate"], m["lr"], m["grad_norm"], m["tokens_per_s"])
-    metrics_file.write(json.dumps(m) + "\n")
-    metrics_file.flush()
-    if writer is not None:
-      for k, v in m.items():
-        if k != "step":
-          writer.add_scalar(f"train/{k}", v, i + 1)
-
-  references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
-
-  def evaluate(step):
-    """Real speculative decoding on held-out prompts; logs tau next to the training estimate.
-
-    The target-only reference is decoded at the first evaluation only (`references`)."""
-    from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
-    prompts = prompts_from_conversations(ds.held_out, t.eval_prompts, tokenizer=target.tokenizer,
-                                         max_prompt_tokens=target.info.max_position_embeddings // 2)
-    if not prompts:
-      log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
-      return None
-    report = evaluate_tau(target, dcfg, graphdef, state.params, prompts,
-                          max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=frozen,
-                          reference_cache=references)
-    est = history[-1]["tau_estimate"] if history else float("nan")
-    ll = report["lossless"]
-    log.info("step %d: speculative decoding on %d held-out prompts: tau %.3f (training estimate "
-             "%.2f), lossless %s (%d near-ties within rounding noise)", step, len(prompts),
-             report["tau"], est, ll["passed"], len(ll["ties"]))
-    rec = {"step": step, "eval_tau": report["tau"], "train_tau_estimate": est,
-           "lossless": ll["passed"], "near_ties": len(ll["ties"])}
-    metrics_file.write(json.dumps(rec) + "\n")
-    if writer is not None:
-      writer.add_scalar("eval/tau", report["tau"], step)
-    summary.setdefault("evaluations", []).append(rec)
-    summary["eval_report"] = report
-    return report
-
-  progress.start(first, total)
+  run = _Run(cfg, progress or Progress())
+  t, first, total = cfg.train, run.first, cfg.train.steps
+  run.progress.start(first, total)
   stop = first + stop_after if stop_after is not None else total
-  out_of_time = False
+  out_of_time = completed = False
   t_loop = time.time()
   try:
     with _Interrupt() as intr:
@@ -301,64 +343,36 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, memory_report: st
           log.info("time budget of %.0f s reached at step %d of %d: saving; rerun the same "
                    "command to continue", time_budget_s, i, total)
           break
-        host, feats_t = next_batch()
+        host, feats_t = run.next_batch()
         h = Handoff()
-        batch = {k: place.split_rows(v) for k, v in host.items()}
-        batch["features"] = place.features(h, feats_t)
-        if i == first and memory_report:
-          from jax_drafter import memory
-          summary["memory"] = memory.memory_report_for_step(step_fn, state, batch, frozen,
-                                                            memory_report)
-        state, metrics = step_fn(state, batch, frozen)
-        data_state = batches.state_dict()
-        if pending is not None:
-          finish(pending)
-        pending = (i, metrics, h, data_state, time.time())
-        if i == first and memory_report:
-          jax.block_until_ready(metrics)
-          measured = memory.measured_peak_bytes()
-          summary["memory"]["measured_peak_bytes"] = measured
-          log.info("memory at step 1: predicted peak %s GiB, measured %s",
-                   memory.gib(summary["memory"]["predicted_peak_bytes"]).strip(),
-                   "n/a on this backend" if measured is None else f"{memory.gib(measured).strip()} GiB")
+        batch = {k: run.place.split_rows(v) for k, v in host.items()}
+        batch["features"] = run.place.features(h, feats_t)
+        if i == first and first_step is not None:
+          first_step.before(run.step_fn, run.state, batch, run.frozen)
+        run.state, metrics = run.step_fn(run.state, batch, run.frozen)
+        run.data_state = run.batches.state_dict()
+        run.flush()                     # step t is dispatched: now read step t-1's metrics
+        run.pending = (i, metrics, h)
+        if i == first and first_step is not None:
+          first_step.after(metrics)
         if (i + 1) % t.checkpoint_every == 0 and i + 1 < total:
-          finish(pending)
-          pending = None
-          save()
+          run.flush()
+          run.save()
         if t.eval_every and t.eval_prompts and (i + 1) % t.eval_every == 0 and i + 1 < total:
-          if pending is not None:
-            finish(pending)
-            pending = None
-          evaluate(i + 1)
+          run.flush()
+          run.evaluate(i + 1)
         if intr.hit:
           break
-      if pending is not None:
-        finish(pending)
-        pending = None
-      if t.eval_prompts and not intr.hit and (int(state.step) == total or out_of_time):
-        evaluate(int(state.step))
+      run.flush()
+      if t.eval_prompts and not intr.hit and (int(run.state.step) == total or out_of_time):
+        run.evaluate(int(run.state.step))
     completed = True
   finally:
-    # Reached on normal exit, Ctrl-C, and errors: the state in hand is always a good one
-    # (a non-finite step leaves it untouched), so it is saved unless it is already on disk.
-    try:
-      if pending is not None:
-        jax.block_until_ready(pending[1])
-      if int(state.step) != last_saved and int(state.step) > 0:
-        save()
-    except Exception as e:  # noqa: BLE001 - never hide the error that got us here
-      if completed:
-        raise
-      log.error("could not write a final checkpoint (%s); the last one on disk is step %s",
-                e, last_saved)
-    finally:
-      metrics_file.close()
-      if writer is not None:
-        writer.close()
-      progress.close()
-  summary.update(final_step=int(state.step), last=history[-1] if history else None,
-                 first=history[0] if history else None, checkpoint=last_saved,
-                 drafter_config=dcfg, target=target, graphdef=graphdef, params=state.params,
-                 held_out=ds.held_out, interrupted=bool(intr.hit), data_stats=ds.stats,
-                 out_of_time=out_of_time)
-  return summary
+    run.close(completed)
+  history = run.history
+  run.summary.update(final_step=int(run.state.step), last=history[-1] if history else None,
+                     first=history[0] if history else None, checkpoint=run.last_saved,
+                     drafter_config=run.dcfg, target=run.target, graphdef=run.graphdef,
+                     params=run.state.params, held_out=run.ds.held_out,
+                     interrupted=bool(intr.hit), data_stats=run.ds.stats, out_of_time=out_of_time)
+  return run.summary

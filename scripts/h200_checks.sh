@@ -34,46 +34,46 @@ part_cmds() {
       python3 -c "import xdist" 2>/dev/null && xd="-n 6"
       run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd ;;
     kernel-bench)   # alone on the machine: CPU load from other jobs slows the launch-bound rows
-      run timeout 300 python3 -m pallas_kernels.dflash_attention.bench --budget-s 200 ;;
+      run timeout 300 python3 -m bridge.twin.bench_attention --budget-s 200 ;;
     parity)
-      run timeout 560 python3 -m jax_drafter.parity --config qwen3.6-27b --device gpu \
+      run timeout 560 python3 -m jax_drafter.tools.parity --config 27b-8k --device gpu \
           --dtype bfloat16 --jax-attention triton --torch-attention flex --steps 3 \
           --json "$OUT/parity.json" ;;
     memory)
       for sn in "8192 1024" "65536 2048"; do
         set -- $sn
-        run timeout 150 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len "$1" \
+        run timeout 150 python3 -m jax_drafter.tools.memory --config 27b-8k --seq-len "$1" \
             --anchors "$2" --run --no-scaling
       done
-      run timeout 300 python3 -m jax_drafter.memory --config qwen3.6-27b --seq-len 131072 \
+      run timeout 300 python3 -m jax_drafter.tools.memory --config 27b-8k --seq-len 131072 \
           --anchors 4096 --budget 96GiB --run --no-scaling ;;
     bench)
-      run timeout 420 python3 -m jax_drafter.bench --case 27b-8k --breakdown 27b-8k --timeout 400 \
+      run timeout 420 python3 -m jax_drafter.tools.bench --case 27b-8k --breakdown 27b-8k --timeout 400 \
           --json "$OUT/bench.json"
-      run timeout 140 python3 -m jax_drafter.bench --case 27b-8k --side jax --remat layer \
+      run timeout 140 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --remat layer \
           --timeout 130 --json "$OUT/bench-remat.json" ;;
     bench-all)
       # Every bench case, the (case, side) runs spread over BENCH_DEVICES, one per GPU at a time.
-      run timeout 560 python3 -m jax_drafter.bench --devices "${BENCH_DEVICES:-0,1,2}" \
+      run timeout 560 python3 -m jax_drafter.tools.bench --devices "${BENCH_DEVICES:-0,1,2}" \
           --case 27b-8k --case 27b-64k --case 8b-3k --case 27b-32k --breakdown 27b-8k \
           --timeout 420 --json "$OUT/bench-all.json" ;;
     bench-8k)
-      run timeout 400 python3 -m jax_drafter.bench --devices "${BENCH_DEVICES:-0,1}" \
+      run timeout 400 python3 -m jax_drafter.tools.bench --devices "${BENCH_DEVICES:-0,1}" \
           --case 27b-8k --breakdown 27b-8k --timeout 380 --json "$OUT/bench-8k.json" ;;
     bench-remat)    # JAX alone: per-layer remat at 8k and 64k, and 8k with cuBLAS GEMMs only
-      run timeout 150 python3 -m jax_drafter.bench --case 27b-8k --side jax --remat layer --timeout 140
-      run timeout 150 python3 -m jax_drafter.bench --case 27b-64k --side jax --remat layer --timeout 140
+      run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --remat layer --timeout 140
+      run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-64k --side jax --remat layer --timeout 140
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 150 \
-          python3 -m jax_drafter.bench --case 27b-8k --side jax --timeout 140 ;;
+          python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 140 ;;
     bench-8b|bench-32k|bench-64k)
       local case=${part#bench-}; case=${case/8b/8b-3k}; case=${case/32k/27b-32k}; case=${case/64k/27b-64k}
-      run timeout 560 python3 -m jax_drafter.bench --case "$case" --timeout 270 \
+      run timeout 560 python3 -m jax_drafter.tools.bench --case "$case" --timeout 270 \
           --json "$OUT/$part.json" ;;
     cublas)
       run timeout 60 python3 scripts/matmul_peak.py
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 60 python3 scripts/matmul_peak.py
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 200 \
-          python3 -m jax_drafter.bench --case 27b-8k --side jax --timeout 190 ;;
+          python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 190 ;;
     *) echo "unknown part $part"; return 2 ;;
   esac
 }

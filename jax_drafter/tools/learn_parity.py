@@ -10,13 +10,14 @@ same packed rows (data.BatchIterator over the run's dataset), the same target fe
 once per step by bridge.target and handed to JAX through DLPack), the same anchors and the same
 learning rate. The JAX side is the real jitted train step (step.make_train_step + jit_train_step:
 the optimizer of step.make_optimizer, the non-finite guard, anchors sampled inside the step from
-fold_in(rng, step)); the torch side is bridge/reference_drafter.py with torch.optim.AdamW set up
-as that optax chain (jax_drafter.parity.torch_adamw / torch_lr / torch_update). The torch side
+fold_in(rng, step)); the torch side is bridge/twin/reference_drafter.py with torch.optim.AdamW set up
+as that optax chain (jax_drafter.tools.parity.torch_adamw / torch_lr / torch_update). The torch side
 gets the step's anchors by repeating the step's key derivation outside it (parity.step_anchors),
 so the step itself runs unchanged. After K steps both drafters decode the same held-out prompts by
 real speculative decoding (evaluate.evaluate_tau); the torch-trained weights come back as JAX
-params through bridge.weights. Prints the curves every N steps and PASS/FAIL against TOLERANCES; exit 1
-on FAIL, 2 on a usage or config error. --steps K sets train.steps (the schedule's horizon).
+params through bridge.twin.weights. Prints the curves every N steps and PASS/FAIL against
+TOLERANCES; exit 1 on FAIL, 2 on a usage or config error. --steps K sets train.steps (the
+schedule's horizon).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 
-from jax_drafter import parity
+from jax_drafter.tools import parity
 
 # Relative tolerances, by train.compute_dtype.
 # first_step: the loss of step 1 (same weights, rows and anchors on both sides), parity's one-step
@@ -109,7 +110,7 @@ def torch_train_step(model, topt, t, micros, anchors, frozen, lr: float) -> dict
   """One optimizer step of the reference drafter, the twin of step.make_train_step: gradients of
   sum(CE * w) per micro-batch, summed, divided by the global sum(w); clip; AdamW at `lr`."""
   import torch
-  from bridge import reference_drafter as ref
+  from bridge.twin import reference_drafter as ref
   topt.zero_grad(set_to_none=True)
   total = None
   for micro, (a, v) in zip(micros, anchors, strict=True):
@@ -144,9 +145,9 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
   import jax                                                           # JAX before torch's CUDA
   import torch
 
-  from bridge import reference_drafter as ref
+  from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff, import_frozen
-  from bridge.weights import load_flat_into
+  from bridge.twin.weights import load_flat_into
   from jax_drafter import step, trainer
   from jax_drafter.params import to_flat
 
@@ -279,7 +280,7 @@ def evaluate_both(cfg, target, dcfg, ds, jdev, graphdef, params, model, frozen_j
   the torch-trained one (its weights converted to JAX params). -> {"jax": report, "torch": report}."""
   import jax
 
-  from bridge.weights import flat_from_torch
+  from bridge.twin.weights import flat_from_torch
   from jax_drafter import step
   from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
   from jax_drafter.params import from_flat

@@ -294,7 +294,7 @@ def overfit(cfg: RunConfig, *, steps: int, max_new_tokens: int, conversation: in
             prompt: str | None = None, min_tau: float | None = None,
             num_anchors: int | None = None) -> dict:
   """Load the target, pick the prompt, run the gate. -> report dict (see run_gate)."""
-  jax.devices()  # initialise JAX before torch touches CUDA (DESIGN.md, devices)
+  jax.devices()  # initialise JAX before torch touches CUDA (docs/DESIGN.md, devices)
   target, dcfg = load(cfg)
   room = target.info.max_position_embeddings - max_new_tokens - dcfg.block_size
   prompt_ids, source = choose_prompt(cfg, target.tokenizer, conversation=conversation,

@@ -1,6 +1,7 @@
 """Benchmark of the DFlash attention kernel on the GPU, side by side with its alternatives.
 
-  python -m pallas_kernels.dflash_attention.bench [--shapes 8192x1024,...] [--no-torch] [--tune]
+  python -m pallas_kernels.dflash_attention.bench [--shapes 8192x1024,...] [--tune]
+  python -m bridge.twin.bench_attention [the same options] [--no-torch]   # + the flex rows
 
 Qwen3.6-27B drafter shapes: Hq 32, Hkv 8, D 128, block 16, bf16, one row, one document; sliding
 (window 2048) and full layers. Reports median fwd and fwd+bwd times after warm-up, useful TFLOP/s
@@ -11,8 +12,10 @@ for one call); "ideal" is inputs + outputs (+ gradients). Alternatives in the sa
   xla    the dense-mask reference under XLA (materialises [Q, S] scores; only where it fits),
   cudnn  jax.nn.dot_product_attention(implementation="cudnn"), dense causal self-attention over
          T = N*16 tokens with the same heads (a ceiling: the best fused attention on this GPU),
-  flex   torch flex_attention compiled on the identical mask (bridge.torch_attention), block mask
-         built once outside the timed region; "flex+mask" is the bridge's whole call.
+  flex   torch flex_attention compiled on the identical mask (bridge.twin.torch_attention), block mask
+         built once outside the timed region; "flex+mask" is the bridge's whole call. These rows
+         come from bridge.twin.bench_attention, which runs this benchmark with them: the kernel
+         imports nothing of the project above it.
 """
 
 from __future__ import annotations
@@ -134,68 +137,6 @@ def bench_jax_fn(attn, xs, flops_fwd, row, reps):
   return row
 
 
-def bench_flex(xs, idx, *, window, flops_fwd, shape, reps):
-  """torch flex_attention (compiled) on the identical mask, through bridge.torch_attention."""
-  try:
-    import torch
-    from bridge import torch_attention
-  except ImportError as e:
-    return [Row("flex", "-", shape, note=f"bridge.torch_attention unavailable: {e}")]
-  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-  layer = "full" if window is None else f"w{window}"
-  tq, tkc, tvc, tkb, tvb = (torch.from_numpy(np.array(x.astype(jnp.float32))).to(dev)
-                            .to(torch.bfloat16).requires_grad_() for x in xs)
-  anchors, doc_start, valid = (torch.from_numpy(np.array(v)).to(dev) for v in idx)
-  S = tkc.shape[1]
-  kw = dict(block_size=BLOCK, window=window, scale=HEAD_DIM ** -0.5)
-
-  def timed(fn, backward: bool):
-    """Wall time with a device sync, as the JAX rows are timed (launch overhead included)."""
-    ct = torch.randn_like(fn()) if backward else None
-
-    def once():
-      out = fn()
-      if backward:
-        torch.autograd.grad(out, (tq, tkc, tvc, tkb, tvb), ct)
-    return median_seconds(once, sync=lambda _: torch.cuda.synchronize(), reps=reps)
-
-  from torch.nn.attention.flex_attention import flex_attention
-  compiled = torch.compile(flex_attention, dynamic=False)
-  block_mask = torch_attention.flex_block_mask(anchors, doc_start, valid, seq_len=S, **{
-      k: kw[k] for k in ("block_size", "window")})
-
-  def kernel_only():
-    k = torch.cat([tkc, tkb], 1).transpose(1, 2)
-    v = torch.cat([tvc, tvb], 1).transpose(1, 2)
-    # Back to [B, Q, H, D] as the bridge's call returns it (a cotangent in flex's own [B, H, Q, D]
-    # output layout failed compiled flex's backward on the H200: "Mismatch in shape: grad_output").
-    return compiled(tq.transpose(1, 2), k, v, block_mask=block_mask, scale=kw["scale"],
-                    enable_gqa=True).transpose(1, 2)
-
-  def whole_call():
-    return torch_attention.dflash_attention_torch(tq, tkc, tvc, tkb, tvb, anchors, doc_start,
-                                                  valid, backend="flex", **kw)
-  rows = []
-  for name, fn in (("flex", kernel_only), ("flex+mask", whole_call)):
-    row = Row(name, layer, shape)
-    try:
-      cuda = dev.type == "cuda"
-      if cuda:
-        torch.cuda.reset_peak_memory_stats()
-      base = torch.cuda.memory_allocated() if cuda else 0
-      t = timed(fn, False)
-      row.fwd_ms, row.fwd_tflops = t * 1e3, flops_fwd / t / 1e12
-      t = timed(fn, True)
-      row.step_ms, row.step_tflops = t * 1e3, 3.5 * flops_fwd / t / 1e12
-      if cuda:  # peak over the timed calls, plus the inputs allocated before the reset
-        row.mem_gib = (torch.cuda.max_memory_allocated() - base) / GIB + sum(
-            x.numel() * x.element_size() for x in (tq, tkc, tvc, tkb, tvb)) / GIB
-    except Exception as e:  # noqa: BLE001
-      row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    rows.append(row)
-  return rows
-
-
 # Tile variants measured against the default (`--tune a,b`, on the first shape and layer). The
 # sweeps behind config.H200 are recorded in config.py; these are the distinct neighbours.
 _B = config_lib.H200
@@ -217,12 +158,15 @@ TUNE_VARIANTS = {
 }
 
 
-def main(argv=None):
+def main(argv=None, torch_rows=None):
+  """torch_rows(xs, idx, *, window, flops_fwd, shape, reps) -> [Row]: the PyTorch alternatives of
+  one problem, benchmarked after cuDNN (bridge.twin.bench_attention passes compiled flex)."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shapes", default=",".join(f"{s}x{n}" for s, n in SHAPES))
   p.add_argument("--layers", default="sliding,full")
   p.add_argument("--reps", type=int, default=7)
-  p.add_argument("--no-torch", action="store_true")
+  p.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows, where there are "
+                 "any (bridge.twin.bench_attention)")
   p.add_argument("--no-baselines", action="store_true", help="only the Pallas kernel")
   p.add_argument("--tune", default="",
                  help="comma list of TUNE_VARIANTS (first shape and layer only)")
@@ -266,9 +210,9 @@ def main(argv=None):
     if not over():
       emit(bench_cudnn(S, N, args.reps))
   for S, N, layer, xs, idx, common in problems:
-    if not args.no_torch and not over():
+    if torch_rows is not None and not args.no_torch and not over():
       try:
-        for r in bench_flex(xs, idx, **common):
+        for r in torch_rows(xs, idx, **common):
           emit(r)
       except Exception as e:  # noqa: BLE001
         emit(Row("flex", layer, common["shape"], note=f"{type(e).__name__}: {e}"[:100]))

@@ -3,7 +3,7 @@
 Shapes (one letter each): B batch, N anchor blocks per row, K block size, Q = N*K query tokens,
 S context length, Hq query heads, Hkv key/value heads, G = Hq // Hkv, D head dim.
 
-The mask is the DFlash contract of DESIGN.md. For query (block n, offset o) with anchor a_n and
+The mask is the DFlash contract of docs/DESIGN.md. For query (block n, offset o) with anchor a_n and
 document start lo_n:
   context key j: lo_n <= j < a_n                         (full layers, window=None)
                  max(lo_n, a_n + o - (W - 1)) <= j < a_n  (sliding layers, window=W)

@@ -4,7 +4,7 @@ Letters as in reference.py; Kp = block size padded to a power of two, G = Hq // 
 R = TQ * G rows are its TQ query tokens x the G query heads of one KV head (row r = t * G + g), so
 one K/V tile load serves the whole group and the group sum of dK/dV happens inside one matmul.
 
-Work is bounded by indices, never by a mask matrix (DESIGN.md, "Attention kernel"):
+Work is bounded by indices, never by a mask matrix (docs/DESIGN.md, "Attention kernel"):
   * every query row has a visible context range [lo, hi) (window offset included); a query tile of
     consecutive blocks loops over the key tiles [kt_lo, kt_hi) that cover its rows' ranges and
     skips the element mask on the interior tiles [int_lo, int_hi) that every row sees completely;

@@ -1,4 +1,5 @@
-"""The lossless check's pieces: the float32 tie arbiter and the bounds of check_lossless.
+"""The lossless check's pieces (the float32 tie arbiter, the bounds of check_lossless), target-only
+decoding and the acceptance rule.
 
 The end-to-end cases (a broken verifier fails, a constructed near-tie passes, the reference cache)
 are in tests/jax_drafter/test_evaluate.py, through evaluate_tau.
@@ -14,6 +15,9 @@ import torch
 
 from bridge import spec_decode
 from bridge.target import Target
+from jax_drafter import evaluate
+
+from tiny_fixtures import TINY_PROMPTS, greedy_reference, tiny_target
 
 VOCAB = 64
 
@@ -122,3 +126,40 @@ def test_arbiter_copies_a_gguf_target_to_float32():
   assert next(arbiter.model.parameters()).dtype == torch.float32
   assert next(target.model.parameters()).dtype == torch.bfloat16  # the target itself untouched
   assert tol > 0 and margin == margin
+
+
+# ---- decoding and the acceptance rule ----
+
+def test_target_generate_equals_uncached_greedy(tiny_target):
+  ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[0])
+  dec = spec_decode.TargetDecoder(tiny_target)
+  got = spec_decode.target_generate(dec, ids, max_new_tokens=12).tokens
+  assert got == greedy_reference(tiny_target.model, ids, 12)
+
+
+def test_sampling_acceptance_rule():
+  """Deterministic draft: accept d with probability p(d); on rejection never emit d."""
+  logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+  g = torch.Generator().manual_seed(0)
+  outcomes = [spec_decode.accept([0], logits, temperature=1.0, generator=g) for _ in range(2000)]
+  rate = np.mean([acc for acc, _ in outcomes])
+  assert abs(rate - 0.7) < 0.05
+  assert all(bonus != 0 for acc, bonus in outcomes if acc == 0)
+  # A sampled draft (q != p): the first emitted token is distributed as p (the rule's guarantee).
+  p = torch.tensor([0.5, 0.3, 0.2])
+  q = torch.tensor([[0.2, 0.6, 0.2]])
+  logits = torch.stack([p.log(), p.log()])
+  counts = np.zeros(3)
+  for _ in range(4000):
+    d = int(torch.multinomial(q[0], 1, generator=g))
+    acc, bonus = spec_decode.accept([d], logits, temperature=1.0, draft_probs=q, generator=g)
+    counts[d if acc else bonus] += 1
+  np.testing.assert_allclose(counts / counts.sum(), p.numpy(), atol=0.03)
+  assert spec_decode.accept([0, 1], torch.log(torch.tensor([[.1, .8, .1], [.1, .1, .8]])),
+                            temperature=0) == (0, 1)
+
+
+def test_finish_cuts_at_eos_and_max():
+  assert spec_decode._finish([4, 5, 2, 7], 10, {2}) == ([4, 5, 2], True)
+  assert spec_decode._finish([4, 5, 6, 7], 3, {2}) == ([4, 5, 6], True)
+  assert spec_decode._finish([4, 5], 3, {2}) == ([4, 5], False)

@@ -1,4 +1,4 @@
-"""Speculative decoding evaluation: lossless loop, oracle tau, inference == Drafter, bad input.
+"""Speculative decoding evaluation: lossless loop, oracle tau, bad input.
 
 A tiny random Llama target (stand-in tokenizer) covers the loop; the real SmolLM2 target (loaded
 once per module, ~30 s) covers tau ~ 1 for an untrained drafter and the CLI end to end.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,27 +22,8 @@ from jax_drafter.config import DrafterConfig, default_target_layer_ids
 from jax_drafter.inference import DrafterSession
 from jax_drafter.model import Drafter
 
-TOL = dict(atol=2e-5, rtol=2e-5)  # f32 drafter, cached vs one-shot context projections
-VOCAB = 96
-
-
-class TinyTokenizer:
-  """Enough of a HF tokenizer for the loop: chat template, call, len; the last id is the mask."""
-  chat_template = "{{ messages }}"
-  eos_token_id = bos_token_id = pad_token_id = unk_token_id = None
-  added_tokens_decoder = {}
-
-  def __len__(self):
-    return VOCAB - 1
-
-  def convert_ids_to_tokens(self, i):
-    return chr(i)
-
-  def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-    return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-  def __call__(self, text, add_special_tokens=False):
-    return {"input_ids": [ord(c) % (VOCAB - 1) for c in text]}
+from tiny_fixtures import (TINY_PROMPTS, VOCAB, TinyTokenizer, greedy_reference, tiny_drafter,
+                           tiny_target)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,48 +35,7 @@ def one_torch_thread():
   torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def tiny_target():
-  from transformers import LlamaConfig, LlamaForCausalLM
-  torch.manual_seed(0)
-  conf = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-  return Target(LlamaForCausalLM(conf).float(), TinyTokenizer(), "tiny-llama")
-
-
-def tiny_drafter(block_size=4, seed=0):
-  cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                      num_target_layers=4, target_layer_ids=(1, 2), mask_token_id=VOCAB - 1,
-                      block_size=block_size, layer_types=("full_attention", "sliding_attention"),
-                      sliding_window=3)
-  graphdef, params = nnx.split(Drafter(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
-  return cfg, graphdef, params
-
-
-def greedy_reference(model, ids, n):
-  """Greedy decoding without any cache: the full sequence every step (independent of spec_decode)."""
-  seq = list(ids)
-  with torch.inference_mode():
-    for _ in range(n):
-      seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-  return seq[len(ids):]
-
-
-TINY_PROMPTS = [[{"role": "user", "content": "hello there"}],
-                [{"role": "system", "content": "sys"}, {"role": "user", "content": "count: 1 2 3"}],
-                [5, 17, 3, 3, 60, 2]]
-
-
 # ---- the loop ------------------------------------------------------------------------------------
-
-def test_target_generate_equals_uncached_greedy(tiny_target):
-  ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[0])
-  dec = spec_decode.TargetDecoder(tiny_target)
-  got = spec_decode.target_generate(dec, ids, max_new_tokens=12).tokens
-  assert got == greedy_reference(tiny_target.model, ids, 12)
-
 
 def test_lossless_untrained_drafter(tiny_target):
   cfg, graphdef, params = tiny_drafter()
@@ -151,34 +90,6 @@ def test_oracle_drafter_reaches_max_tau(tiny_target, block_size):
   assert report["tau"] == block_size
   assert report["accept_length_histogram"][str(block_size)] == report["verify_steps"] > 0
   assert report["lossless"]["passed"]
-
-
-def test_sampling_acceptance_rule():
-  """Deterministic draft: accept d with probability p(d); on rejection never emit d."""
-  logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
-  g = torch.Generator().manual_seed(0)
-  outcomes = [spec_decode.accept([0], logits, temperature=1.0, generator=g) for _ in range(2000)]
-  rate = np.mean([acc for acc, _ in outcomes])
-  assert abs(rate - 0.7) < 0.05
-  assert all(bonus != 0 for acc, bonus in outcomes if acc == 0)
-  # A sampled draft (q != p): the first emitted token is distributed as p (the rule's guarantee).
-  p = torch.tensor([0.5, 0.3, 0.2])
-  q = torch.tensor([[0.2, 0.6, 0.2]])
-  logits = torch.stack([p.log(), p.log()])
-  counts = np.zeros(3)
-  for _ in range(4000):
-    d = int(torch.multinomial(q[0], 1, generator=g))
-    acc, bonus = spec_decode.accept([d], logits, temperature=1.0, draft_probs=q, generator=g)
-    counts[d if acc else bonus] += 1
-  np.testing.assert_allclose(counts / counts.sum(), p.numpy(), atol=0.03)
-  assert spec_decode.accept([0, 1], torch.log(torch.tensor([[.1, .8, .1], [.1, .1, .8]])),
-                            temperature=0) == (0, 1)
-
-
-def test_finish_cuts_at_eos_and_max():
-  assert spec_decode._finish([4, 5, 2, 7], 10, {2}) == ([4, 5, 2], True)
-  assert spec_decode._finish([4, 5, 6, 7], 3, {2}) == ([4, 5, 6], True)
-  assert spec_decode._finish([4, 5], 3, {2}) == ([4, 5], False)
 
 
 def test_lossless_report_lists_ties_and_mismatches():
@@ -322,68 +233,7 @@ def test_reference_cache_decodes_the_target_once(tiny_target, monkeypatch):
   assert calls[3:] == [2, 6, 6] and len(cache) == 4
 
 
-def test_training_run_decodes_the_reference_once(tiny_target_dir, sharegpt_sample, tmp_path,
-                                                 monkeypatch):
-  """trainer.train's evaluate closure keeps one reference cache for the run (eval_every)."""
-  from jax_drafter import trainer
-  from jax_drafter.config import load_config
-  calls = []
-  real = spec_decode.target_generate
-  monkeypatch.setattr(spec_decode, "target_generate",
-                      lambda *a, **kw: calls.append(kw["max_new_tokens"]) or real(*a, **kw))
-  cfg = load_config(None, [
-      f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}", "data.max_conversations=40",
-      "data.held_out=2", "data.seq_len=96", "data.batch_size=2", "data.cache_dir=null",
-      "drafter.num_hidden_layers=1", "drafter.block_size=4", "train.num_anchors=4",
-      "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=4",
-      "train.tensorboard=false", "train.eval_every=2", "train.eval_prompts=2",
-      "train.eval_max_new_tokens=5", f"train.output_dir={tmp_path / 'run'}"])
-  summary = trainer.train(cfg)
-  assert [e["step"] for e in summary["evaluations"]] == [2, 4]
-  assert all(e["lossless"] is True and e["near_ties"] == 0 for e in summary["evaluations"])
-  n = summary["eval_report"]["num_prompts"]  # usable held-out prompts (short enough, a user turn)
-  assert n >= 1 and calls == [2] + [5] * n  # the first evaluation's warm-up and references only
-  assert summary["eval_report"]["tokens_per_second"]["target_only_cached"] == n
-
-
-# ---- inference.py == Drafter.__call__ ------------------------------------------------------------
-
-def test_inference_proposal_equals_drafter_forward(block_size=3):
-  """At a block size below the trained one (the general case: attention uses the inference K)."""
-  cfg, graphdef, params = tiny_drafter(block_size=4, seed=1)
-  rng = np.random.default_rng(0)
-  S, F, K = 13, 2 * cfg.hidden_size, block_size
-  feats = jnp.asarray(rng.normal(size=(S, F)), jnp.float32)
-  embed = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
-  lm_head = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
-  last = 7
-
-  # Reference: the training forward, one block whose anchor is the context length.
-  cfg_k = dataclasses.replace(cfg, block_size=K)
-  model = Drafter(cfg_k, rngs=nnx.Rngs(0))
-  nnx.update(model, params)
-  noise = jnp.asarray([last] + [cfg.mask_token_id] * (K - 1))
-  forward = jax.jit(lambda *a: model(*a, attn_impl={"implementation": "xla"}))
-  want = forward(embed[noise][None], feats[None], jnp.arange(S)[None], (S + jnp.arange(K))[None],
-                 jnp.array([[S]]), jnp.array([[0]]), jnp.array([[True]]))[0]
-
-  session = DrafterSession(cfg, graphdef, params, embed, lm_head, block_size=K)
-  session.reset(S + 8)
-  session.extend(feats[:5])                              # the prompt
-  session.extend(jnp.pad(feats[5:8], ((0, 1), (0, 0))), 3)  # a verify block, 3 accepted
-  session.extend(feats[8:13], 5)                          # longer than one chunk
-  assert session.length == S
-  np.testing.assert_allclose(np.asarray(session.block_hidden(last)), np.asarray(want), **TOL)
-  draft, probs = session.propose(last)
-  want_ids = np.argmax(np.asarray(want[1:]) @ np.asarray(lm_head).T, -1)
-  np.testing.assert_array_equal(draft, want_ids)
-  assert probs is None
-  # Static shapes: more steps of other lengths reuse the compiled functions.
-  sizes = session._extend._cache_size(), session._propose._cache_size()
-  session.extend(feats[:K], 1)
-  session.propose(3)
-  assert (session._extend._cache_size(), session._propose._cache_size()) == sizes
-
+# ---- temperature sampling ------------------------------------------------------------------------
 
 def test_temperature_sampling_end_to_end(tiny_target):
   cfg, graphdef, params = tiny_drafter()
@@ -392,24 +242,6 @@ def test_temperature_sampling_end_to_end(tiny_target):
   assert report["lossless"] == {"checked": False, "passed": None, "ties": [], "mismatches": [],
                                 "arbiter": None}
   assert 1.0 <= report["tau"] <= 4 and report["per_prompt"][0]["new_tokens"] == 8
-
-
-def test_sampling_proposal_is_a_distribution():
-  cfg, graphdef, params = tiny_drafter()
-  rng = np.random.default_rng(4)
-  embed = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
-  lm_head = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
-  s = DrafterSession(cfg, graphdef, params, embed, lm_head, temperature=0.7)
-  s.reset(16)
-  s.extend(jnp.asarray(rng.normal(size=(5, 2 * cfg.hidden_size)), jnp.float32))
-  ids, probs = s.propose(1, jax.random.key(3))
-  assert ids.shape == (3,) and probs.shape == (3, VOCAB)
-  # The proposal distribution is softmax(h @ W^T / T) of the block's hidden states (offsets 1..).
-  logits = np.asarray(s.block_hidden(1))[1:] @ np.asarray(lm_head).T / 0.7
-  want = np.exp(logits - logits.max(-1, keepdims=True))
-  want /= want.sum(-1, keepdims=True)
-  np.testing.assert_allclose(probs, want, atol=1e-5)
-  assert np.all((0 <= ids) & (ids < VOCAB))
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 from pallas_kernels.dflash_attention import api, config, reference
 from pallas_kernels.dflash_attention import triton as dflash_triton
+from pallas_kernels.dflash_attention.reference import visible_pairs
 
 # One place for tolerances, compared after dividing by max(1, max|expected|). bf16 inputs: the
 # kernel rounds p and ds to bf16 for the MMAs and writes bf16 outputs, like any flash kernel.
@@ -255,3 +256,14 @@ def test_unsupported_shapes_raise():
   # implementation=None falls back to XLA for such shapes.
   out = api.dflash_attention(*x, *idx, block_size=16)
   assert out.shape == x[0].shape
+
+
+def test_visible_keys_hand_counted():
+  a = np.array([[3, 6]])
+  count = lambda a, K, w: visible_pairs(a, np.zeros_like(a), block_size=K, window=w)
+  # Full layer, K=2: each query sees a context keys + 2 block keys: (3+2)*2 + (6+2)*2.
+  assert count(a, 2, None) == 26
+  # Sliding window 2, K=2: offset o sees a - max(0, a+o-1) context keys (1, 0) + o+1 block keys.
+  assert count(a, 2, 2) == (1 + 0 + 1 + 2) * 2
+  # Anchor 0 with a full layer sees no context.
+  assert count(np.array([[0]]), 4, None) == 16

@@ -1,10 +1,11 @@
 """Cross-framework parity: the Flax drafter vs the PyTorch reference drafter on the same batch.
 
-  python -m jax_drafter.parity [--config tiny|qwen3.6-27b|RUN.yaml] [--device cpu|gpu]
+  python -m jax_drafter.tools.parity [--config tiny-parity|27b-8k|RUN.yaml] [--device cpu|gpu]
       [--dtype float32|bfloat16] [--seed S | --run-dir RUN [--step N] | --zlab DIR]
       [--jax-attention auto|reference|xla|triton] [--torch-attention eager|sdpa|flex]
       [--steps K] [--json REPORT] [--perturb]
 
+--config names a run of jax_drafter.presets (27b-8k: the Qwen3.6-27B drafter) or a run config.
 One set of weights (from a seed, a run's checkpoint or a z-lab directory), one batch (target
 features, packed rows of two documents, anchors incl. invalid blocks, labels) given to both.
 Prints per-layer hidden states, final hidden, logits on a sample, loss, accuracy, tau estimate and
@@ -54,19 +55,6 @@ TOLERANCES = {
                      train=2e-2, atol=1e-4),
 }
 
-PRESETS = {
-    # A 2-layer drafter (sliding + full), GQA 4/2, block 4, window 6: seconds on a CPU.
-    "tiny": dict(drafter=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              vocab_size=256, num_target_layers=8, target_layer_ids=(1, 6),
-                              mask_token_id=255, block_size=4,
-                              layer_types=("sliding_attention", "full_attention"),
-                              sliding_window=6),
-                 batch=2, seq_len=64, num_anchors=8, chunk=16),
-    # The Qwen3.6-27B DFlash drafter (jax_drafter/presets.py, shared with bench and memory).
-    "qwen3.6-27b": dict(drafter=dataclasses.asdict(presets.qwen36_27b()),
-                        batch=1, seq_len=8192, num_anchors=1024, chunk=1024),
-}
 PERTURBED = "layers.0.mlp.down_proj.weight"
 
 
@@ -79,8 +67,9 @@ def _progress(msg: str) -> None:
 
 
 def parse(argv):
-  ap = argparse.ArgumentParser(prog="python -m jax_drafter.parity", description=__doc__.split("\n")[0])
-  ap.add_argument("--config", default="tiny", help=f"{' | '.join(PRESETS)} | a run config YAML")
+  ap = argparse.ArgumentParser(prog="python -m jax_drafter.tools.parity", description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default="tiny-parity",
+                  help=f"{' | '.join(presets.RUNS)} | a run config YAML")
   ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
   ap.add_argument("--dtype", default="float32", choices=tuple(TOLERANCES))
   w = ap.add_mutually_exclusive_group()
@@ -103,12 +92,13 @@ def parse(argv):
 
 def resolve(args):
   """-> (DrafterConfig or None (then taken from the weights), TrainSection, batch, seq_len)."""
-  from jax_drafter.config import ConfigError, DrafterConfig, TrainSection, load_config
-  if args.config in PRESETS:
-    p = PRESETS[args.config]
-    cfg, B, S, N, chunk = DrafterConfig(**p["drafter"]), p["batch"], p["seq_len"], p["num_anchors"], p["chunk"]
+  from jax_drafter.config import ConfigError, TrainSection, load_config
+  if args.config in presets.RUNS:
+    r = presets.RUNS[args.config]
+    cfg, B, S, N = presets.get(r.arch), r.batch, r.seq_len, r.anchors
     t = TrainSection(steps=20, learning_rate=1e-3, warmup_steps=2, num_anchors=N,
-                     ce_chunk_size=chunk, compute_dtype=args.dtype)
+                     ce_chunk_size=r.ce_chunk or TrainSection.ce_chunk_size,
+                     compute_dtype=args.dtype)
   else:
     run = load_config(args.config)
     t, cfg = run.train, None
@@ -122,37 +112,6 @@ def resolve(args):
   return cfg, t, args.batch or B, args.seq_len or S
 
 
-def make_batch(cfg, B, S, N, seed, dtype, dev):
-  """Packed rows of two documents, a prompt (unsupervised) then an answer in each; row 1 has few
-  supervised tokens so it gets invalid blocks. Big tensors are drawn with torch on the device."""
-  import torch
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(0, cfg.vocab_size - 1, (B, S)).astype(np.int32)
-  ids[ids == cfg.mask_token_id] = 0
-  doc = np.zeros((B, S), np.int32)
-  pos = np.zeros((B, S), np.int32)
-  lm = np.zeros((B, S), np.int32)
-  for b in range(B):
-    cut = S // 2 + (b % 2) * S // 8
-    doc[b, cut:] = 1
-    pos[b] = np.concatenate([np.arange(cut), np.arange(S - cut)])
-    if b % 2 == 0:
-      lm[b, S // 8:cut] = 1
-      lm[b, cut + S // 8:] = 1
-    else:                               # few candidates -> some blocks invalid
-      n = max(2, N // 2)
-      lm[b, cut - n:cut] = 1
-  g = torch.Generator(device=dev).manual_seed(seed)
-  F, D, V = len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, cfg.vocab_size
-  rand = lambda *shape, std: (torch.randn(*shape, generator=g, device=dev) * std).to(dtype)
-  micro = {"input_ids": ids, "loss_mask": lm, "doc_id": doc, "position_ids": pos}
-  micro = {k: torch.from_numpy(v).to(dev) for k, v in micro.items()}
-  micro["features"] = rand(B, S, F, std=1.0)
-  # Embedding rows of a trained LM are small next to what the layers add (std ~0.02).
-  frozen = {"embed": rand(V, D, std=0.02), "lm_head": rand(V, D, std=D ** -0.5)}
-  return micro, frozen
-
-
 def main(argv=None) -> int:
   args = parse(argv)
   import jax                                                           # JAX before torch's CUDA
@@ -160,11 +119,12 @@ def main(argv=None) -> int:
   import torch
   from flax import nnx
 
-  from bridge import reference_drafter as ref
+  from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff
-  from bridge.weights import load_flat_into
+  from bridge.twin.weights import load_flat_into
   from jax_drafter import objective, step
   from jax_drafter.params import abstract_model, to_flat
+  from jax_drafter.tools import plans
 
   _T0[0] = time.time()
   tol = TOLERANCES[args.dtype]
@@ -195,7 +155,7 @@ def main(argv=None) -> int:
   _progress("weights ready (JAX)")
   # One batch, drawn once, imported into JAX through the DLPack handoff (zero-copy on the GPU).
   N = t.num_anchors
-  micro_t, frozen_t = make_batch(cfg, B, S, N, args.seed, tcd, dev)
+  micro_t, frozen_t = plans.packed_batch(cfg, B, S, N, args.seed, tcd, dev)
   hand = Handoff()
   put = lambda x, n: hand.put(x.contiguous(), name=n, allow_copy=args.device == "cpu")
   with jax.default_device(jax_dev):

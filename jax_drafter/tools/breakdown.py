@@ -1,6 +1,6 @@
 """Where the time of one drafter training step goes: each part compiled and timed on its own.
 
-Used by `python -m jax_drafter.bench --breakdown`. The parts are the step's own modules on the
+Used by `python -m jax_drafter.tools.bench --breakdown`. The parts are the step's own modules on the
 plan's shapes, each as forward + backward (the gradients the train step forms for it):
 
   fc + hidden_norm        target features -> context states (parameter gradients only)

@@ -1,11 +1,12 @@
-"""python -m jax_drafter.bench: the full drafter training step, JAX vs the PyTorch path, same run.
+"""python -m jax_drafter.tools.bench: the full drafter training step, JAX vs the PyTorch path, same run.
 
 Each (case, side) runs in its own subprocess so peaks are clean and an out-of-memory on one side
-is reported, not fatal. The PyTorch side (bridge/bench_torch.py) is the reference drafter with
+is reported, not fatal. The PyTorch side (bridge/twin/bench_torch.py) is the reference drafter with
 compiled flex_attention and checkpointed chunked CE, f32 master weights, bf16 autocast, fused
-AdamW: what SpecForge-style trainers run. Both sides use random weights and identical shapes.
+AdamW: what SpecForge-style trainers run. Both sides use random weights and identical shapes
+(jax_drafter.tools.plans); a case is a run of jax_drafter.presets.
 
-  python -m jax_drafter.bench --case 27b-8k --case 8b-3k --json bench.json
+  python -m jax_drafter.tools.bench --case 27b-8k --case 8b-3k --json bench.json
 """
 
 from __future__ import annotations
@@ -21,23 +22,11 @@ import time
 import numpy as np
 
 from jax_drafter import presets
+from jax_drafter.tools import plans
 from pallas_kernels.dflash_attention.reference import visible_pairs
 
 H200_BF16_PEAK = 989e12
-
-CASES = {
-    "27b-8k": dict(arch="qwen3.6-27b", seq_len=8192, anchors=1024, batch=1),
-    "27b-32k": dict(arch="qwen3.6-27b", seq_len=32768, anchors=2048, batch=1),
-    "27b-64k": dict(arch="qwen3.6-27b", seq_len=65536, anchors=2048, batch=1),
-    "8b-3k": dict(arch="qwen3-8b", seq_len=3072, anchors=512, batch=4),
-    "tiny": dict(arch="tiny", seq_len=64, anchors=8, batch=2),   # CPU smoke test of the harness
-}
-
-
-def sample_anchors(S: int, N: int, B: int, seed: int = 0) -> np.ndarray:
-  """Sorted anchors uniform over [0, S-2] (one document, every token supervised), [B, N]."""
-  r = np.random.default_rng(seed)
-  return np.stack([np.sort(r.choice(S - 1, size=N, replace=False)) for _ in range(B)])
+CE_CHUNK = 2048   # block tokens per LM-head chunk where neither --ce-chunk nor the run sets one
 
 
 def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
@@ -48,7 +37,7 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
   D, I, V, K = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.block_size
   Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   T, C, F = B * N * K, B * S, len(cfg.target_layer_ids) * D
-  anchors = sample_anchors(S, N, B)
+  anchors = plans.sample_anchors(S, N, B)
   parts = {"fc": 2 * C * F * D * 2, "lm_head": 2 * (B * N * (K - 1)) * D * V * 2}
   pairs = {w: visible_pairs(anchors, np.zeros_like(anchors), block_size=K, window=w)
            for w in {cfg.window(i) for i in range(cfg.num_hidden_layers)}}
@@ -63,9 +52,9 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
 
 
 def _worker_cmd(side: str, case: str, args) -> list[str]:
-  mod = "jax_drafter.bench" if side == "jax" else "bridge.bench_torch"
-  cmd = [sys.executable, "-m", mod, "--worker", "--case", case, "--steps", str(args.steps),
-         "--ce-chunk", str(args.ce_chunk)]
+  ce_chunk = args.ce_chunk or presets.RUNS[case].ce_chunk or CE_CHUNK
+  cmd = [sys.executable, "-m", "jax_drafter.tools.bench", "--worker", "--side", side, "--case",
+         case, "--steps", str(args.steps), "--ce-chunk", str(ce_chunk)]
   if side == "jax":   # --remat is the JAX drafter's; the PyTorch path checkpoints its CE chunks only
     cmd += ["--remat", args.remat]
   if side == "jax" and args.attention:
@@ -73,7 +62,7 @@ def _worker_cmd(side: str, case: str, args) -> list[str]:
   if side == "jax" and case in args.breakdown:
     cmd += ["--breakdown", case]
   if side == "torch":
-    cmd += ["--attention", args.torch_attention]
+    cmd += ["--torch-attention", args.torch_attention]
   return cmd
 
 
@@ -99,8 +88,8 @@ def run_all(jobs: list[tuple[str, str]], args) -> dict:
   """{(case, side): result}. With --devices, each GPU runs one job at a time, all GPUs at once."""
   def done(case, side, r):
     # One line per run as soon as it ends, so that a killed benchmark still leaves its results.
-    c = CASES[case]
-    f = model_flops(presets.get(c["arch"]), c["seq_len"], c["anchors"], c["batch"])["total"]
+    run = presets.RUNS[case]
+    f = model_flops(presets.get(run.arch), run.seq_len, run.anchors, run.batch)["total"]
     print(f"[{time.strftime('%H:%M:%S')}] {case} {side}: {_fmt(r, f)}", flush=True)
     return r
 
@@ -134,35 +123,37 @@ def _fmt(r: dict, flops: float) -> str:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m jax_drafter.bench", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m jax_drafter.tools.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable; default 27b-8k")
+  ap.add_argument("--case", action="append", choices=sorted(presets.RUNS),
+                  help="repeatable; default 27b-8k")
   ap.add_argument("--steps", type=int, default=6, help="timed steps after one warm-up (median)")
-  ap.add_argument("--ce-chunk", type=int, default=2048)
+  ap.add_argument("--ce-chunk", type=int, default=None,
+                  help=f"default: the run's, else {CE_CHUNK}")
   ap.add_argument("--remat", default="none", choices=("none", "layer", "full", "offload"))
   ap.add_argument("--attention", default=None, help="JAX attention implementation (default: best)")
   ap.add_argument("--torch-attention", default="flex", choices=("flex", "sdpa", "eager"))
   ap.add_argument("--side", action="append", choices=("jax", "torch"), help="default: both")
   ap.add_argument("--timeout", type=int, default=900)
   ap.add_argument("--json", default=None)
-  ap.add_argument("--breakdown", action="append", default=[], choices=sorted(CASES),
+  ap.add_argument("--breakdown", action="append", default=[], choices=sorted(presets.RUNS),
                   metavar="CASE", help="for this case (repeatable), also time each part of the "
-                  "JAX step on its own (jax_drafter.breakdown)")
+                  "JAX step on its own (jax_drafter.tools.breakdown)")
   ap.add_argument("--devices", default=None,
                   help="comma list of GPU indices: the (case, side) runs are spread over them and "
                   "run at once, one per GPU (default: one after another on the visible GPUs)")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
-    return _jax_worker(args)
+    return _jax_worker(args) if args.side == ["jax"] else _torch_worker(args)
   cases = args.case or ["27b-8k"]
   sides = args.side or ["jax", "torch"]
   results = run_all([(case, side) for case in cases for side in sides], args)
   report = {}
   for case in cases:
-    c = CASES[case]
-    cfg = presets.get(c["arch"])
-    flops = model_flops(cfg, c["seq_len"], c["anchors"], c["batch"])
+    run = presets.RUNS[case]
+    c = dict(arch=run.arch, seq_len=run.seq_len, anchors=run.anchors, batch=run.batch)
+    flops = model_flops(presets.get(run.arch), run.seq_len, run.anchors, run.batch)
     res = {side: results[case, side] for side in sides}
     report[case] = {"shape": c, "model_tflop": flops["total"] / 1e12,
                     "flops_breakdown_tflop": {k: v / 1e12 for k, v in flops.items()}, **res}
@@ -196,7 +187,7 @@ def format_breakdown(parts_ms: dict, step_ms: float) -> str:
   return "\n".join(lines)
 
 
-# ---- the JAX worker (runs in its own process) ----
+# ---- the workers (each runs in its own process) ----
 
 def _failed_alloc(msg: str) -> str | None:
   import re
@@ -206,23 +197,22 @@ def _failed_alloc(msg: str) -> str | None:
 
 def _jax_worker(args) -> int:
   import jax
-  from jax_drafter import memory
   from jax_drafter import step as step_lib
   from jax_drafter.config import TrainSection
 
-  c = CASES[args.case[0]]
-  cfg = presets.get(c["arch"])
-  S, N, B = c["seq_len"], c["anchors"], c["batch"]
+  r = presets.RUNS[args.case[0]]
+  cfg = presets.get(r.arch)
+  S, N, B = r.seq_len, r.anchors, r.batch
   on_cpu = jax.default_backend() == "cpu"
   t = TrainSection(steps=1000, num_anchors=N, ce_chunk_size=args.ce_chunk, remat=args.remat,
                    compute_dtype="float32" if on_cpu else "bfloat16", attention=args.attention)
   result = {"status": "ok", "backend": jax.default_backend(), "device": str(jax.devices()[0])}
   try:
     # The same random state/batch/frozen weights the memory tool measures with.
-    plan = memory.Plan(cfg, t, B, S, feature_dtype="float32" if on_cpu else "bfloat16",
-                       attn_impl={"implementation": args.attention} if args.attention else None,
-                       name=args.case[0])
-    graphdef, state, batch, frozen = memory.random_inputs(plan)
+    plan = plans.Plan(cfg, t, B, S, feature_dtype="float32" if on_cpu else "bfloat16",
+                      attn_impl={"implementation": args.attention} if args.attention else None,
+                      name=args.case[0])
+    graphdef, state, batch, frozen = plans.random_inputs(plan)
     fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, cfg, t,
                                                           step_lib.make_optimizer(t),
                                                           plan.attn_impl))
@@ -242,7 +232,7 @@ def _jax_worker(args) -> int:
                   compile_s=first - med, loss=float(m["loss"]),
                   peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
     if args.breakdown:
-      from jax_drafter import breakdown
+      from jax_drafter.tools import breakdown
       parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=cfg, t=t,
                                        attn_impl=plan.attn_impl, reps=max(args.steps, 1))
       result["breakdown_ms"] = {k: v * 1e3 for k, v in parts.items()}
@@ -251,6 +241,18 @@ def _jax_worker(args) -> int:
     oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
     result = {"status": "out of memory" if oom else f"error: {type(e).__name__}: {msg[:300]}",
               "failed_alloc": _failed_alloc(msg) if oom else None}
+  print("RESULT " + json.dumps(result), flush=True)
+  return 0
+
+
+def _torch_worker(args) -> int:
+  from bridge.twin import bench_torch
+  r = presets.RUNS[args.case[0]]
+  cfg = presets.get(r.arch)
+  result = bench_torch.time_steps(
+      cfg, lambda dev, cd: plans.random_torch_inputs(cfg, r.batch, r.seq_len, dev, cd),
+      lambda i: plans.sample_anchors(r.seq_len, r.anchors, r.batch, seed=i),
+      steps=args.steps, ce_chunk=args.ce_chunk, attention=args.torch_attention)
   print("RESULT " + json.dumps(result), flush=True)
   return 0
 

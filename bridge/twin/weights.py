@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from jax_drafter.export import CONFIG, WEIGHTS, check_names_and_shapes
+from jax_drafter.config import ZLAB_CONFIG, ZLAB_WEIGHTS, check_names_and_shapes
 
 
 def state_dict_from_flat(flat: dict, *, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -51,9 +51,9 @@ def load_flat_into(model: torch.nn.Module, flat: dict, *, source: str = "flax pa
 
 def load_zlab_into(model: torch.nn.Module, zlab_dir: str) -> None:
   """Load a z-lab directory's model.safetensors into the reference drafter (strict)."""
-  path = os.path.join(zlab_dir, WEIGHTS)
-  if not os.path.isfile(path) or not os.path.isfile(os.path.join(zlab_dir, CONFIG)):
-    raise FileNotFoundError(f"{zlab_dir} must hold {CONFIG} and {WEIGHTS}")
+  path = os.path.join(zlab_dir, ZLAB_WEIGHTS)
+  if not os.path.isfile(path) or not os.path.isfile(os.path.join(zlab_dir, ZLAB_CONFIG)):
+    raise FileNotFoundError(f"{zlab_dir} must hold {ZLAB_CONFIG} and {ZLAB_WEIGHTS}")
   p = next(model.parameters())
   state = {k: v.to(device=p.device, dtype=p.dtype) for k, v in load_file(path).items()}
   load_into(model, state, source=path)

@@ -1,4 +1,4 @@
-"""jax_drafter.memory on CPU: the compiled memory plan names its buffers, budgets, remat equality.
+"""jax_drafter.tools.memory on CPU: the compiled memory plan names its buffers, budgets, remat equality.
 
 XLA plans memory differently on CPU and GPU; these tests assert CPU behaviour only.
 """
@@ -6,6 +6,7 @@ XLA plans memory differently on CPU and GPU; these tests assert CPU behaviour on
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -13,16 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_drafter import memory, objective
+from jax_drafter import objective, trainer
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
+from jax_drafter.tools import memory, plans
+
+from tiny_fixtures import tiny_run_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)     # remat only reorders f32 arithmetic
 
 
 def _plan(**train):
-  plan = memory.build_plan("tiny", ["drafter.num_hidden_layers=1",
-                                    "drafter.layer_types=[sliding_attention]"])
+  plan = plans.build_plan("tiny-memory", ["drafter.num_hidden_layers=1",
+                                          "drafter.layer_types=[sliding_attention]"])
   return plan.replace(**train) if train else plan
 
 
@@ -159,9 +163,28 @@ def test_remat_policy_same_loss_and_grads(remat, remat_inputs, no_remat):
     np.testing.assert_allclose(g, g0, **TOL)
 
 
-@pytest.mark.parametrize("name", ["qwen3.6-27b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["27b-8k", "8b-8k"])
 def test_memory_presets_describe_the_bench_drafters(name):
-  """memory's run-config presets go through the run config (target dims + drafter section) and
-  must come out as exactly the drafter that bench and parity use."""
+  """A named run's plan goes through the run config (target dims + drafter section) and must
+  come out as exactly the drafter that bench and parity use."""
   from jax_drafter import presets
-  assert memory.build_plan(name).cfg == presets.get(name)
+  assert plans.build_plan(name).cfg == presets.get(presets.RUNS[name].arch)
+
+
+# ---- the real run's first step (StepReport) ----
+
+def test_memory_report_for_the_run_it_starts(tiny_target_dir, sharegpt_sample, tmp_path):
+  out, rep = str(tmp_path / "mem"), str(tmp_path / "mem_report")
+  report = memory.StepReport(rep)
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=1"),
+                first_step=report)
+  m = report.result
+  assert m["predicted_peak_bytes"] > m["arguments"]["parameters"] > 0
+  # The backend's measured peak where it keeps allocator statistics (GPU), None where not (CPU).
+  stats = jax.local_devices()[0].memory_stats()
+  if stats and "peak_bytes_in_use" in stats:
+    assert m["measured_peak_bytes"] > 0
+  else:
+    assert m["measured_peak_bytes"] is None
+  text = open(os.path.join(rep, "report.txt")).read()
+  assert "objective.py" in text                # the chunked-CE buffer is named with its source

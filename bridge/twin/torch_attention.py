@@ -1,6 +1,6 @@
 """DFlash attention on torch tensors: the PyTorch side of the parity check and of kernel benchmarks.
 
-Same layout and semantics as `pallas_kernels/dflash_attention` (DESIGN.md, "The DFlash contract"):
+Same layout and semantics as `pallas_kernels/dflash_attention` (docs/DESIGN.md, "The DFlash contract"):
   q [B, Q, Hq, D] (Q = N*K); k_ctx/v_ctx [B, S, Hkv, D]; k_blk/v_blk [B, Q, Hkv, D];
   anchors/doc_start int [B, N]; block_valid bool [B, N]; window None for a full-attention layer.
 For query (block n, offset o): context key j visible iff max(lo_n, a_n + o - (W-1) | lo_n) <= j < a_n;

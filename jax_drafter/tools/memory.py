@@ -1,9 +1,11 @@
-"""`python -m jax_drafter.memory`: the compiled memory plan of the real train step, explained.
+"""`python -m jax_drafter.tools.memory`: the compiled memory plan of the real train step, explained.
 
 The step is compiled ahead of time from abstract shapes (no weights, no data, no target model):
 XLA's memory plan is fixed at compile time, so the peak, the buffers alive at it and the Python
 line that created each one can be printed before anything can run out of memory. Shape letters as
 in config.py. Peak = arguments + outputs that do not reuse a donated input + temporaries.
+`--train --config RUN.yaml --dump DIR` reports the first step of the real training run instead
+(StepReport), with the measured peak next to the prediction.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -19,171 +22,15 @@ import tempfile
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 
 from jax_drafter import config as config_lib
-from jax_drafter import params as params_lib
-from jax_drafter import presets
 from jax_drafter import step as step_lib
-from jax_drafter import xla_dump
+from jax_drafter.tools import plans, xla_dump
+from jax_drafter.tools.plans import Plan
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class TargetDims:
-  """The target's dimensions, duck-typed as bridge.target.TargetInfo (no torch, no weights)."""
-  num_layers: int
-  hidden_size: int
-  vocab_size: int
-  num_attention_heads: int
-  num_key_value_heads: int
-  head_dim: int
-  intermediate_size: int
-  dtype: str = "bfloat16"           # of the target features, embedding and LM head
-  rope_theta: float = 1_000_000.0
-  rms_norm_eps: float = 1e-6
-  max_position_embeddings: int = 262144
-  name: str = "preset"
-
-
-def _from_drafter_preset(name: str, label: str, *, seq_len: int, anchors: int):
-  """(TargetDims, run-config overrides) of a presets.py drafter, bf16, one row of seq_len."""
-  d = presets.get(name)
-  dims = TargetDims(d.num_target_layers, d.hidden_size, d.vocab_size, d.num_attention_heads,
-                    d.num_key_value_heads, d.head_dim, d.intermediate_size,
-                    rope_theta=d.rope_theta, rms_norm_eps=d.rms_norm_eps,
-                    max_position_embeddings=d.max_position_embeddings, name=label)
-  drafter = {f: getattr(d, f) for f in (
-      "num_hidden_layers", "block_size", "layer_types", "sliding_window", "mask_token_id",
-      "target_layer_ids", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-      "head_dim", "rope_theta", "rms_norm_eps")}
-  drafter = {k: list(v) if isinstance(v, tuple) else v for k, v in drafter.items()}
-  return dims, {"drafter": drafter, "target": {"dtype": "bfloat16"},
-                "data": {"seq_len": seq_len, "batch_size": 1},
-                "train": {"num_anchors": anchors, "compute_dtype": "bfloat16"}}
-
-
-_SW = "sliding_attention"
-PRESETS: dict[str, tuple[TargetDims, dict]] = {
-    "tiny": (TargetDims(8, 64, 512, 4, 2, 16, 128, dtype="float32", name="tiny"), {
-        "drafter": {"num_hidden_layers": 2, "layer_types": [_SW, "full_attention"],
-                    "sliding_window": 32},
-        "data": {"seq_len": 128, "batch_size": 2},
-        "train": {"num_anchors": 8, "ce_chunk_size": 32}}),
-    "smollm2-135m": (TargetDims(30, 576, 49152, 9, 3, 64, 1536, dtype="float32",
-                                rope_theta=100000.0, rms_norm_eps=1e-5,
-                                max_position_embeddings=8192, name="SmolLM2-135M"), {}),
-    # The real drafters: target dims and drafter fields come from jax_drafter.presets (the
-    # benchmark's architectures), only the run shape is set here.
-    "qwen3.6-27b": _from_drafter_preset("qwen3.6-27b", "Qwen3.6-27B", seq_len=8192, anchors=1024),
-    "qwen3-8b": _from_drafter_preset("qwen3-8b", "Qwen3-8B", seq_len=8192, anchors=1024),
-}
-
-
-@dataclass(frozen=True)
-class Plan:
-  """Everything that fixes the compiled step's shapes."""
-  cfg: config_lib.DrafterConfig
-  train: config_lib.TrainSection
-  batch_size: int
-  seq_len: int
-  feature_dtype: str = "bfloat16"
-  attn_impl: dict | None = None
-  name: str = ""
-
-  def replace(self, *, seq_len=None, num_anchors=None, **train) -> "Plan":
-    if num_anchors is not None:
-      train["num_anchors"] = num_anchors
-    return dataclasses.replace(self, seq_len=seq_len or self.seq_len,
-                               train=dataclasses.replace(self.train, **train))
-
-  def describe(self) -> str:
-    t = self.train
-    return (f"S={self.seq_len} N={t.num_anchors} B={self.batch_size} A={t.grad_accum} "
-            f"remat={t.remat} ce_chunk={t.ce_chunk_size} V={self.cfg.vocab_size} "
-            f"compute={t.compute_dtype} features={self.feature_dtype}")
-
-
-def target_dims_from_dir(path: str) -> TargetDims:
-  """TargetDims from a Hugging Face model directory's config.json (no weights read)."""
-  with open(os.path.join(path, "config.json")) as f:
-    c = json.load(f)
-  c = c.get("text_config", c)
-  rope = c.get("rope_parameters") or {}
-  heads = c["num_attention_heads"]
-  return TargetDims(c["num_hidden_layers"], c["hidden_size"], c["vocab_size"], heads,
-                    c.get("num_key_value_heads") or heads,
-                    c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"],
-                    dtype="bfloat16" if "bfloat16" in str(c.get("torch_dtype", "")) else "float32",
-                    rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-                    name=os.path.basename(os.path.normpath(path)))
-
-
-def build_plan(config: str, overrides: list[str] = (), target: str | None = None) -> Plan:
-  """A preset name or a run-config YAML (+ `section.key=value` overrides) -> Plan."""
-  if config in PRESETS:
-    dims, data = PRESETS[config]
-    data = json.loads(json.dumps(data))
-    for ov in overrides:
-      (section, key), value = config_lib.parse_override(ov)
-      data.setdefault(section, {})[key] = value
-    run = config_lib.build_config(data, where=f"preset {config}")
-  elif os.path.exists(config):
-    run = config_lib.load_config(config, list(overrides))
-    dims = None
-  else:
-    raise config_lib.ConfigError(f"--config {config!r} is neither a file nor a preset "
-                                 f"({', '.join(PRESETS)})")
-  if target is not None:
-    dims = PRESETS[target][0] if target in PRESETS else target_dims_from_dir(target)
-  elif dims is None:
-    path = run.target.path
-    if path and os.path.exists(os.path.join(path, "config.json")):
-      dims = target_dims_from_dir(path)
-    elif path is None:
-      dims = PRESETS["smollm2-135m"][0]
-    else:
-      raise config_lib.ConfigError(f"target.path={path!r} has no config.json here; pass "
-                                   f"--target PRESET_OR_DIR ({', '.join(PRESETS)})")
-  cfg = config_lib.resolve_drafter(run.drafter, dims, mask_token_id=dims.vocab_size - 1)
-  return Plan(cfg, run.train, run.data.batch_size, run.data.seq_len,
-              feature_dtype=run.target.dtype, attn_impl=_attn(run.train.attention),
-              name=f"{dims.name} drafter")
-
-
-def _attn(impl: str | None) -> dict | None:
-  return {"implementation": impl} if impl else None
-
-
-# ---- abstract inputs and compilation ----
-
-def _nbytes(tree) -> int:
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def abstract_inputs(plan: Plan):
-  """(jitted step, (state, batch, frozen) as ShapeDtypeStructs, argument bytes by category)."""
-  cfg, t = plan.cfg, plan.train
-  opt = step_lib.make_optimizer(t)
-  graphdef, params = params_lib.abstract_model(cfg, step_lib.DTYPE[t.compute_dtype])
-  state = jax.eval_shape(lambda p: step_lib.TrainState(
-      jnp.zeros((), jnp.int32), p, opt.init(p), jax.random.key_data(jax.random.key(0))), params)
-  sds = jax.ShapeDtypeStruct
-  A, B, S = t.grad_accum, plan.batch_size, plan.seq_len
-  fdt = jnp.dtype(plan.feature_dtype)
-  batch = {k: sds((A, B, S), jnp.int32) for k in ("input_ids", "loss_mask", "doc_id", "position_ids")}
-  batch["features"] = sds((A, B, S, len(cfg.target_layer_ids) * cfg.hidden_size), fdt)
-  frozen = {"embed": sds((cfg.vocab_size, cfg.hidden_size), fdt),
-            "lm_head": sds((cfg.vocab_size, cfg.hidden_size), fdt)}
-  jitted = step_lib.jit_train_step(step_lib.make_train_step(graphdef, cfg, t, opt, plan.attn_impl))
-  return jitted, (state, batch, frozen), categories(state, batch, frozen)
-
-
-def categories(state, batch, frozen) -> dict[str, int]:
-  return {"parameters": _nbytes(state.params), "optimizer state": _nbytes(state.opt_state),
-          "frozen embed + LM head": _nbytes(frozen), "batch": _nbytes(batch),
-          "step + rng": _nbytes((state.step, state.rng))}
 
 
 @dataclass
@@ -315,7 +162,7 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
 
 
 def analyze(plan: Plan, *, dump_dir: str | None = None, top: int = 12) -> Report:
-  jitted, args, cats = abstract_inputs(plan)
+  jitted, args, cats = plans.abstract_inputs(plan)
   rep, _ = compile_and_analyze(jitted.lower(*args), cats, title=f"{plan.name}: {plan.describe()}",
                                dump_dir=dump_dir, top=top)
   return rep
@@ -473,23 +320,6 @@ def fit_to_budget(plan: Plan, budget: int, base: Report | None = None, log=print
 
 # ---- one real step ----
 
-def random_inputs(plan: Plan, seed: int = 0):
-  """Real state (random init), a random batch and random frozen weights of the plan's shapes."""
-  cfg, t = plan.cfg, plan.train
-  opt = step_lib.make_optimizer(t)
-  graphdef, state = step_lib.init_state(cfg, t, opt)
-  A, B, S = t.grad_accum, plan.batch_size, plan.seq_len
-  k = jax.random.split(jax.random.key(seed), 4)
-  fdt = jnp.dtype(plan.feature_dtype)
-  batch = {"input_ids": jax.random.randint(k[0], (A, B, S), 0, cfg.vocab_size, jnp.int32),
-           "loss_mask": jnp.ones((A, B, S), jnp.int32), "doc_id": jnp.zeros((A, B, S), jnp.int32),
-           "position_ids": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (A, B, S)),
-           "features": jax.random.normal(k[1], (A, B, S, len(cfg.target_layer_ids) * cfg.hidden_size), fdt)}
-  frozen = {"embed": (0.02 * jax.random.normal(k[2], (cfg.vocab_size, cfg.hidden_size), fdt)),
-            "lm_head": (0.02 * jax.random.normal(k[3], (cfg.vocab_size, cfg.hidden_size), fdt))}
-  return graphdef, state, batch, frozen
-
-
 def measured_peak_bytes() -> int | None:
   stats = jax.devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
@@ -497,14 +327,14 @@ def measured_peak_bytes() -> int | None:
 
 def run_step(plan: Plan, dump_dir: str | None = None) -> tuple[Report, dict]:
   """Compile the plan's step for real inputs, run it once, measure the backend's peak."""
-  graphdef, state, batch, frozen = random_inputs(plan)
+  graphdef, state, batch, frozen = plans.random_inputs(plan)
   opt = step_lib.make_optimizer(plan.train)
   jitted = step_lib.jit_train_step(step_lib.make_train_step(graphdef, plan.cfg, plan.train, opt,
                                                             plan.attn_impl))
   jax.block_until_ready((state, batch, frozen))
   before = measured_peak_bytes()
   rep, compiled = compile_and_analyze(jitted.lower(state, batch, frozen),
-                                      categories(state, batch, frozen),
+                                      plans.categories(state, batch, frozen),
                                       title=f"{plan.name}: {plan.describe()}", dump_dir=dump_dir,
                                       fast=False)
   new_state, metrics = compiled(state, batch, frozen)
@@ -516,31 +346,49 @@ def run_step(plan: Plan, dump_dir: str | None = None) -> tuple[Report, dict]:
   return rep, out
 
 
-def memory_report_for_step(jitted_step, state, batch, frozen, out_dir: str) -> dict:
-  """For `train --memory-report DIR`: the memory plan of the step about to run, written to out_dir.
+class StepReport:
+  """The memory plan of a real training run's first step, and its measured peak.
 
-  Lowers `jitted_step` with the real arguments' shapes and shardings (nothing is executed or
-  donated), writes XLA's dumps, memory_analysis.json and report.txt, and returns
-  {"predicted_peak_bytes", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-   "arguments", "peak_buffers", "report_path"}.
+  `trainer.train(cfg, first_step=StepReport(DIR))`, or on the command line `--train --config
+  RUN.yaml --dump DIR`. Before the step runs, its jitted function is lowered with the real
+  arguments' shapes and shardings (nothing is executed or donated) and XLA's dumps,
+  memory_analysis.json and report.txt are written to DIR; once it is dispatched, the backend's
+  measured peak is logged next to the prediction. `result`: {"predicted_peak_bytes",
+  "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "arguments", "peak_buffers",
+  "report_path", "measured_peak_bytes"}.
   """
-  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-  args = jax.tree.map(spec, (state, batch, frozen))
-  rep, _ = compile_and_analyze(jitted_step.lower(*args), categories(*args), title="train step",
-                               dump_dir=out_dir, fast=False)
-  return {"predicted_peak_bytes": rep.peak_bytes, "argument_bytes": rep.argument_bytes,
-          "output_bytes": rep.output_bytes, "alias_bytes": rep.alias_bytes,
-          "temp_bytes": rep.temp_bytes, "arguments": rep.arguments,
-          "peak_buffers": [b.as_dict() for b in rep.peak_buffers],
-          "report_path": os.path.join(out_dir, "report.txt")}
+
+  def __init__(self, out_dir: str):
+    self.out_dir = out_dir
+    self.result: dict | None = None
+
+  def before(self, jitted_step, state, batch, frozen) -> None:
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    args = jax.tree.map(spec, (state, batch, frozen))
+    rep, _ = compile_and_analyze(jitted_step.lower(*args), plans.categories(*args),
+                                 title="train step", dump_dir=self.out_dir, fast=False)
+    self.result = {"predicted_peak_bytes": rep.peak_bytes, "argument_bytes": rep.argument_bytes,
+                   "output_bytes": rep.output_bytes, "alias_bytes": rep.alias_bytes,
+                   "temp_bytes": rep.temp_bytes, "arguments": rep.arguments,
+                   "peak_buffers": [b.as_dict() for b in rep.peak_buffers],
+                   "report_path": os.path.join(self.out_dir, "report.txt")}
+
+  def after(self, metrics) -> None:
+    jax.block_until_ready(metrics)
+    measured = self.result["measured_peak_bytes"] = measured_peak_bytes()
+    log.info("memory at step 1: predicted peak %s GiB, measured %s",
+             gib(self.result["predicted_peak_bytes"]).strip(),
+             "n/a on this backend" if measured is None else f"{gib(measured).strip()} GiB")
 
 
 # ---- CLI ----
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jax_drafter.memory", description=__doc__.split("\n")[0])
-  p.add_argument("--config", required=True, help=f"run-config YAML or a preset: {', '.join(PRESETS)}")
-  p.add_argument("--target", help="target dims for a YAML config: a preset or a HF model directory")
+  p = argparse.ArgumentParser(prog="python -m jax_drafter.tools.memory", description=__doc__.split("\n")[0])
+  p.add_argument("--config", required=True,
+                 help=f"run-config YAML or a preset: {', '.join(plans.NAMES)}")
+  p.add_argument("--target", help="target dims for a YAML config: an architecture preset or a HF "
+                 "model directory")
   p.add_argument("--seq-len", type=int)
   p.add_argument("--anchors", type=int)
   p.add_argument("--batch", type=int)
@@ -552,13 +400,22 @@ def main(argv=None) -> int:
   p.add_argument("--dump", help="write XLA's HLO, buffer assignment, live ranges and JSON here")
   p.add_argument("--run", action="store_true", help="also run one real step and measure the peak")
   p.add_argument("--no-scaling", action="store_true", help="skip the 2x S / 2x N reports")
+  p.add_argument("--train", action="store_true",
+                 help="start the training run of --config (a run-config YAML; jax_drafter.train) "
+                 "and write the memory plan of its first step to --dump, with predicted vs "
+                 "measured peak logged at step 1")
   p.add_argument("overrides", nargs="*", help="section.key=value run-config overrides")
   a = p.parse_args(argv)
   flags = {"data.seq_len": a.seq_len, "train.num_anchors": a.anchors, "data.batch_size": a.batch,
            "train.remat": a.remat, "train.ce_chunk_size": a.ce_chunk,
            "train.grad_accum": a.grad_accum, "train.attention": a.attention}
   ovs = list(a.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None]
-  plan = build_plan(a.config, ovs, a.target)
+  if a.train:
+    if a.config in plans.NAMES or not a.dump or a.target or a.budget or a.run:
+      p.error("--train takes a run-config YAML and --dump DIR (not --target, --budget or --run)")
+    from jax_drafter import train as train_cli   # its import sets the environment JAX needs
+    return train_cli.main(["--config", a.config, *ovs], first_step=StepReport(a.dump))
+  plan = plans.build_plan(a.config, ovs, a.target)
   base = None
   if not (a.run and a.no_scaling and not a.budget):   # else the real run's compile reports
     base = analyze(plan, dump_dir=a.dump)

@@ -1,4 +1,5 @@
-"""The PyTorch reference DFlash drafter and its training objective (DESIGN.md, "The DFlash contract").
+"""The PyTorch reference DFlash drafter and its training objective (docs/DESIGN.md, "The DFlash
+contract").
 
 Module names are exactly those of z-lab's DFlash checkpoints (`fc`, `hidden_norm`,
 `layers.{i}.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `input_layernorm`,
@@ -26,7 +27,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       rotate_half)
 
-from bridge.torch_attention import dflash_attention_torch
+from bridge.twin.torch_attention import dflash_attention_torch
 
 
 def qwen3_config(cfg) -> Qwen3Config:
@@ -103,7 +104,7 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-  """z-lab DFlash drafter. `attention` is a bridge.torch_attention backend (eager|sdpa|flex)."""
+  """z-lab DFlash drafter. `attention` is a bridge.twin.torch_attention backend (eager|sdpa|flex)."""
 
   def __init__(self, cfg, *, compute_dtype: torch.dtype = torch.float32, attention: str = "eager"):
     super().__init__()
@@ -176,7 +177,7 @@ def document_starts(doc_id_BxS):
 def build_blocks(anchors_BxN, block_valid_BxN, input_ids_BxS, loss_mask_BxS, doc_id_BxS,
                  position_ids_BxS, *, block_size: int, mask_token_id: int,
                  gamma: float | None) -> Blocks:
-  """Noise ids, positions, labels and loss weights of every block (DESIGN contract)."""
+  """Noise ids, positions, labels and loss weights of every block (docs/DESIGN.md contract)."""
   B, S = input_ids_BxS.shape
   N, K = anchors_BxN.shape[1], block_size
   dev = input_ids_BxS.device
@@ -205,18 +206,24 @@ def build_blocks(anchors_BxN, block_valid_BxN, input_ids_BxS, loss_mask_BxS, doc
 
 
 def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
-                          compute_dtype=torch.float32):
+                          compute_dtype=torch.float32, f32_logits: bool = True,
+                          argmax: bool = True):
   """Per-token CE and argmax against the frozen LM head, `chunk_size` tokens of logits at a time.
 
   Each chunk runs under activation checkpointing, so one chunk's [C, V] logits is alive at once.
-  Logits are f32 from compute-dtype operands (as preferred_element_type=f32 in JAX).
+  Logits are f32 from compute-dtype operands (as preferred_element_type=f32 in JAX); with
+  f32_logits=False the matmul runs in the compute dtype and its logits are rounded to it before the
+  f32 log-sum-exp, as SpecForge-style trainers do (the bench's PyTorch path). argmax=False returns
+  None for the argmax and spares its pass over the logits.
   """
-  w = lm_head_VxD.detach().to(compute_dtype).float()
+  w = lm_head_VxD.detach().to(compute_dtype)
+  w = w.float() if f32_logits else w
 
   def chunk(h_CxD, y_C):
-    logits_CxV = h_CxD.to(compute_dtype).float() @ w.T
+    h_CxD = h_CxD.to(compute_dtype)
+    logits_CxV = ((h_CxD.float() if f32_logits else h_CxD) @ w.T).float()
     ce = torch.logsumexp(logits_CxV, -1) - logits_CxV.gather(1, y_C[:, None])[:, 0]
-    return ce, logits_CxV.argmax(-1)
+    return ce, logits_CxV.argmax(-1) if argmax else None
 
   ces, preds = [], []
   with torch.autocast(h_TxD.device.type, enabled=False):
@@ -225,7 +232,7 @@ def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
                             use_reentrant=False)
       ces.append(ce)
       preds.append(pred)
-  return torch.cat(ces), torch.cat(preds)
+  return torch.cat(ces), torch.cat(preds) if argmax else None
 
 
 def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""trainer.train on a tiny random target (seconds): resume, Ctrl-C, NaN, architecture change,
+regenerated data, data parallel, and the evaluation it runs."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from bridge import spec_decode
+from jax_drafter import trainer
+
+from tiny_fixtures import run_losses, tiny_run_config
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_target_dir, sharegpt_sample, tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, a))
+  first = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, b), stop_after=3)
+  assert first["final_step"] == 3
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, b))
+  la, lb = run_losses(a), run_losses(b)
+  assert sorted(lb) == list(range(1, 7))
+  for s in range(1, 7):
+    assert lb[s] == pytest.approx(la[s], rel=1e-6, abs=1e-7), f"step {s}"
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resumes(tiny_target_dir, sharegpt_sample, tmp_path):
+  out = str(tmp_path / "int")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.checkpoint_every=100")
+
+  def update(step, metrics):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGINT)
+
+  summary = trainer.train(cfg, progress=trainer.Progress(update=update))
+  assert summary["interrupted"]
+  saved = sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit())
+  assert saved and saved[-1] == summary["final_step"] < 6
+  resumed = trainer.train(cfg)
+  assert resumed["start_step"] == saved[-1] and resumed["final_step"] == 6
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_state(tiny_target_dir, sharegpt_sample, tmp_path,
+                                                         monkeypatch):
+  import torch
+  from bridge.target import Target
+  out = str(tmp_path / "nan")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out)
+  real = Target.features
+  calls = {"n": 0}
+
+  def poisoned(self, *a, **k):
+    calls["n"] += 1
+    f = real(self, *a, **k)
+    return torch.full_like(f, float("nan")) if calls["n"] == 4 else f
+
+  monkeypatch.setattr(Target, "features", poisoned)
+  with pytest.raises(trainer.TrainingError, match="NaN/Inf at step 4"):
+    trainer.train(cfg)
+  from jax_drafter.checkpoint import load_params
+  from jax_drafter.params import to_flat
+  saved = sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit())
+  assert 2 <= saved[-1] < 6
+  _, _, params, _ = load_params(out)
+  assert all(np.isfinite(np.asarray(v)).all() for v in to_flat(params).values())
+  monkeypatch.setattr(Target, "features", real)
+  assert trainer.train(cfg)["final_step"] == 6
+
+
+def test_architecture_change_on_resume_is_refused(tiny_target_dir, sharegpt_sample, tmp_path):
+  out = str(tmp_path / "arch")
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=2"))
+  with pytest.raises(trainer.TrainingError, match="different architecture.*num_hidden_layers"):
+    trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, "drafter.num_hidden_layers=1",
+                       "drafter.layer_types=[full_attention]"))
+
+
+def test_training_on_target_regenerated_conversations(tiny_target_dir, sharegpt_sample, tmp_path):
+  out = str(tmp_path / "regen")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=1", "data.regenerate=true",
+             "data.regenerate_max_new_tokens=8", "data.max_conversations=6", "data.held_out=1",
+             f"data.cache_dir={tmp_path / 'cache'}")
+  summary = trainer.train(cfg)
+  assert summary["final_step"] == 1
+  cached = [json.loads(l) for l in open(tmp_path / "cache" / "regenerated.jsonl")]
+  # The training conversations (not the held-out one), minus prompts longer than seq_len.
+  held = {c["id"] for c in summary["held_out"]}
+  assert 0 < len(cached) <= 5 and not held & {r["id"] for r in cached}
+  assert summary["data_stats"]["train_conversations"] == len(cached)
+  assert all(r["assistant_spans"] and r["input_ids"] for r in cached)
+
+
+def test_training_run_decodes_the_reference_once(tiny_target_dir, sharegpt_sample, tmp_path,
+                                                 monkeypatch):
+  """trainer.train's evaluate closure keeps one reference cache for the run (eval_every)."""
+  from jax_drafter import trainer
+  from jax_drafter.config import load_config
+  calls = []
+  real = spec_decode.target_generate
+  monkeypatch.setattr(spec_decode, "target_generate",
+                      lambda *a, **kw: calls.append(kw["max_new_tokens"]) or real(*a, **kw))
+  cfg = load_config(None, [
+      f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}", "data.max_conversations=40",
+      "data.held_out=2", "data.seq_len=96", "data.batch_size=2", "data.cache_dir=null",
+      "drafter.num_hidden_layers=1", "drafter.block_size=4", "train.num_anchors=4",
+      "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=4",
+      "train.tensorboard=false", "train.eval_every=2", "train.eval_prompts=2",
+      "train.eval_max_new_tokens=5", f"train.output_dir={tmp_path / 'run'}"])
+  summary = trainer.train(cfg)
+  assert [e["step"] for e in summary["evaluations"]] == [2, 4]
+  assert all(e["lossless"] is True and e["near_ties"] == 0 for e in summary["evaluations"])
+  n = summary["eval_report"]["num_prompts"]  # usable held-out prompts (short enough, a user turn)
+  assert n >= 1 and calls == [2] + [5] * n  # the first evaluation's warm-up and references only
+  assert summary["eval_report"]["tokens_per_second"]["target_only_cached"] == n
+
+
+def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, sharegpt_sample,
+                                                           tmp_path):
+  """Two host devices stand in for two drafter GPUs: rows split, state replicated, same losses."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  code = (
+      "import sys\n"
+      "sys.path.insert(0, 'tests')\n"
+      "from tiny_fixtures import tiny_run_config\n"
+      "from jax_drafter import trainer\n"
+      "import jax\n"
+      "out = sys.argv[1]\n"
+      "s = trainer.train(tiny_run_config(sys.argv[2], sys.argv[3], out, 'train.steps=3'))\n"
+      "print('DEVICES', len(jax.local_devices()), s['final_step'])\n")
+  losses = {}
+  for n in (1, 2):
+    out = str(tmp_path / f"dp{n}")
+    env = dict(os.environ, PYTHONPATH=root,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    p = subprocess.run([sys.executable, "-c", code, out, tiny_target_dir, sharegpt_sample],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert p.returncode == 0 and f"DEVICES {n} 3" in p.stdout, p.stderr[-3000:]
+    losses[n] = run_losses(out)
+  for s in (1, 2, 3):
+    assert losses[2][s] == pytest.approx(losses[1][s], rel=1e-5), s
