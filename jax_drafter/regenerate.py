@@ -67,6 +67,7 @@ def main(argv=None) -> int:
   if args.out:
     overrides.append(f"data.regenerate_file={args.out}")
   try:
+    shard = _shard(args.shard) if args.shard else None  # before anything heavy loads
     cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
     trainer.check_inputs(cfg)
     from bridge.target import load_target
@@ -75,9 +76,8 @@ def main(argv=None) -> int:
                          trust_remote_code=tc.trust_remote_code)
     convs = data_lib.load_conversations(cfg.data.path, max_conversations=cfg.data.max_conversations)
     train, _ = data_lib.split_held_out(convs, cfg.data.held_out, cfg.data.seed)
-    if args.shard:
-      i, n = _shard(args.shard)
-      train = train[i::n]
+    if shard:
+      train = train[shard[0]::shard[1]]
     stats: dict = {}
     fn, _ = trainer.regeneration(cfg, target, progress=not args.quiet, stats=stats,
                                  cuda_graph=False if args.no_cuda_graph else None)

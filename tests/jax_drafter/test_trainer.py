@@ -142,3 +142,31 @@ def test_data_parallel_over_two_devices_matches_one_device(tiny_target_dir, shar
     losses[n] = run_losses(out)
   for s in (1, 2, 3):
     assert losses[2][s] == pytest.approx(losses[1][s], rel=1e-5), s
+
+
+def test_time_budget_stops_with_a_checkpoint_and_the_same_command_continues(
+    tiny_target_dir, sharegpt_sample, tmp_path):
+  out = str(tmp_path / "budget")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out)
+  first = trainer.train(cfg, stop_after=2)
+  assert first["final_step"] == 2
+  stopped = trainer.train(cfg, time_budget_s=0.0)     # out of time before its first step
+  assert stopped["out_of_time"] and stopped["final_step"] == 2
+  done = trainer.train(cfg)                            # the same run continues to the end
+  assert done["final_step"] == 6 and not done["out_of_time"]
+  assert sorted(run_losses(out)) == list(range(1, 7))
+
+
+def test_feature_cache_trains_like_the_live_target(tiny_target_dir, sharegpt_sample, tmp_path):
+  """Steps over cached target features give the losses of steps over fresh target forwards."""
+  live = str(tmp_path / "live")
+  cached = str(tmp_path / "cached")
+  few = ("train.steps=4", "data.max_conversations=6")  # few rows: steps 3-4 revisit them
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, live, *few))
+  summary = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, cached, *few,
+                                          "target.feature_cache_gib=0.5"))
+  assert summary["data_stats"]["rows"] < 4 * 2
+  a, b = run_losses(live), run_losses(cached)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  for s in a:
+    assert b[s] == pytest.approx(a[s], rel=1e-5), s

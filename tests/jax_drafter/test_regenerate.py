@@ -1,0 +1,43 @@
+"""python -m jax_drafter.regenerate on a tiny random target: the training split, shards, summary."""
+
+import json
+
+from jax_drafter import regenerate as regen_cli
+from jax_drafter.config import load_config
+from jax_drafter.data import load_conversations, split_held_out
+
+
+def test_cli_regenerates_the_training_split_in_shards(tiny_target_dir, sharegpt_sample, tmp_path):
+  common = ["--config", "/dev/null", f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}",
+            "data.max_conversations=8", "data.held_out=2", "data.seq_len=256",
+            "data.regenerate_max_new_tokens=4", "data.regenerate_max_turns=1",
+            f"data.cache_dir={tmp_path}", "--quiet"]
+  parts, skipped = [], 0
+  for i in range(2):
+    out, js = tmp_path / f"part{i}.jsonl", tmp_path / f"part{i}.json"
+    assert regen_cli.main(common + ["--shard", f"{i}/2", "--out", str(out), "--json", str(js)]) == 0
+    summary = json.load(open(js))
+    assert summary["records"] == summary["conversations"] - summary["skipped_long_prompt"]
+    assert summary["generated_tokens"] > 0 and summary["file"] == str(out)
+    skipped += summary["skipped_long_prompt"]
+    parts.append([json.loads(line) for line in open(out)])
+  train, held = split_held_out(load_conversations(sharegpt_sample, max_conversations=8), 2, 0)
+  ids = [r["id"] for part in parts for r in part]
+  # Every training conversation once, but those whose prompt does not fit seq_len (counted).
+  assert len(ids) == len(set(ids)) and set(ids) <= {c["id"] for c in train}
+  assert len(ids) + skipped == len(train)
+  assert not {c["id"] for c in held} & set(ids)
+  # A merged file is the cache training reads: nothing is generated again.
+  merged = tmp_path / "regenerated.jsonl"
+  merged.write_text("".join(open(tmp_path / f"part{i}.jsonl").read() for i in range(2)))
+  js = tmp_path / "again.json"
+  assert regen_cli.main(common + ["--json", str(js)]) == 0
+  again = json.load(open(js))
+  assert again["generated_tokens"] == 0 and again["decode_steps"] == 0
+  assert again["cached"] + again["skipped_long_prompt"] == again["conversations"]
+
+
+def test_bad_shard_is_a_one_line_error(tiny_target_dir, sharegpt_sample, capsys):
+  rc = regen_cli.main(["--config", "/dev/null", f"target.path={tiny_target_dir}",
+                       f"data.path={sharegpt_sample}", "--shard", "2/2", "--quiet"])
+  assert rc == 2 and "--shard 2/2" in capsys.readouterr().err
