@@ -60,6 +60,13 @@ class TargetInfo:
   name: str
 
 
+def _decimal(x) -> float:
+  """A config number read back through float32 (GGUF metadata stores 1e-5 as 9.99999974e-06) as the
+  shortest decimal that float32 rounds to it, so exported configs say 1e-05."""
+  x = float(x)
+  return float(str(np.float32(x))) if float(np.float32(x)) == x else x
+
+
 class Target:
   """A frozen HF causal LM with hooks on its decoder layers."""
 
@@ -78,8 +85,8 @@ class Target:
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         intermediate_size=c.intermediate_size,
-        rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-        rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+        rope_theta=_decimal(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        rms_norm_eps=_decimal(getattr(c, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
 
   @property

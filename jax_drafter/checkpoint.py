@@ -36,6 +36,14 @@ def _flat_state(state) -> dict[str, Any]:
   return out
 
 
+def latest_step(run_dir: str) -> int | None:
+  """The newest finished checkpoint's step of a run directory, without loading anything (None if
+  there is none). Orbax renames a step directory only when it is complete: a digit name is one."""
+  path = os.path.join(run_dir, "checkpoints")
+  steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+  return max(steps) if steps else None
+
+
 def manager(run_dir: str, keep: int = 2) -> ocp.CheckpointManager:
   opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
   return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")), options=opts)

@@ -154,7 +154,9 @@ def _json_list(text: str, file: Path, allow_truncated: bool) -> Iterable[tuple[s
 
 
 def _jsonl(text: str, file: Path) -> Iterable[tuple[str, int, object]]:
-  for n, line in enumerate(text.splitlines(), 1):
+  # Lines end at "\n" only: str.splitlines() also splits at U+2028/U+2029 and other separators
+  # that are valid inside a JSON string (writers with ensure_ascii=False emit them raw).
+  for n, line in enumerate(text.split("\n"), 1):
     if not line.strip():
       continue
     try:
@@ -452,8 +454,11 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   rows, stats = pack_documents(docs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
   if pack_mode == "truncate":
     stats["documents_truncated"] += truncated
+  # documents_tokenized: documents made from the conversations; documents_truncated counts among
+  # those; documents: those packed (the rest had no anchor, e.g. cut before their first answer).
   stats = {"conversations": len(convs), "skipped_no_assistant": skipped, "held_out": len(held),
-           "train_conversations": len(train) if regenerated is None else regenerated, **stats}
+           "train_conversations": len(train) if regenerated is None else regenerated,
+           "documents_tokenized": len(docs), **stats}
   if regenerated is not None:
     stats["regenerated"] = True
   if stats["dropped_no_anchor"]:

@@ -404,6 +404,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):  # the report, not their INFO
+    logging.getLogger(noisy).setLevel(logging.WARNING)
   args = _parse(argv)
   try:
     if args.run_dir:

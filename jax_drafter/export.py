@@ -65,6 +65,12 @@ def write_zlab(out_dir: str, cfg: DrafterConfig, params, dtype: str = "bfloat16"
   save_file(arrays, tmp_w, metadata={"format": "pt"})
   with open(tmp_c, "w") as f:
     json.dump(conf, f, indent=2)
+  # safetensors creates its file 0600; an export is meant to be read by servers and colleagues:
+  # give both files the mode any new file gets under the user's umask.
+  umask = os.umask(0)
+  os.umask(umask)
+  for tmp in (tmp_w, tmp_c):
+    os.chmod(tmp, 0o666 & ~umask)
   os.replace(tmp_w, os.path.join(out_dir, ZLAB_WEIGHTS))
   os.replace(tmp_c, os.path.join(out_dir, ZLAB_CONFIG))
   log.info("exported drafter (%s) to %s", dtype, out_dir)

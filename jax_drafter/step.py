@@ -29,10 +29,18 @@ class TrainState(NamedTuple):
   rng: jax.Array       # base key; step t uses fold_in(rng, t): resume reproduces the same anchors
 
 
-def make_optimizer(t: TrainSection) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
+def lr_schedule(t: TrainSection):
+  """Learning rate of update `count` (0-based): linear warm-up over train.warmup_steps, then cosine
+  to min_lr_ratio x peak at train.steps. Evaluated at count + 1, so the first update already moves
+  (peak / warmup_steps); at count it would be 0, a step spent on nothing."""
+  base = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
       decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
+  return lambda count: base(count + 1)
+
+
+def make_optimizer(t: TrainSection) -> optax.GradientTransformation:
+  schedule = lr_schedule(t)
   # No weight decay on norm weights (1-D).
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
   return optax.chain(
@@ -41,9 +49,7 @@ def make_optimizer(t: TrainSection) -> optax.GradientTransformation:
 
 
 def learning_rate(t: TrainSection, step):
-  return optax.warmup_cosine_decay_schedule(
-      0.0, t.learning_rate, t.warmup_steps, max(t.steps, t.warmup_steps + 1),
-      t.learning_rate * t.min_lr_ratio)(step)
+  return lr_schedule(t)(step)
 
 
 def init_state(cfg: DrafterConfig, t: TrainSection, optimizer) -> tuple[Any, TrainState]:

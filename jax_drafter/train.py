@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--max-minutes", type=float, default=None, metavar="M",
                  help="stop after M minutes of training with a checkpoint (and the evaluation, "
                       "if configured); rerun the same command to continue")
+  p.add_argument("--re-evaluate", action="store_true",
+                 help="for a finished run: evaluate (train.eval_prompts) and export it again "
+                      "instead of reporting that it is complete")
   p.add_argument("--no-export", action="store_true", help="skip the z-lab export at the end")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p
@@ -60,6 +63,14 @@ def main(argv=None, *, first_step=None) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  from jax_drafter.checkpoint import latest_step
+  done = latest_step(cfg.train.output_dir)
+  if done is not None and done >= cfg.train.steps and not args.re_evaluate:
+    out = cfg.train.output_dir
+    print(f"{out}: this run is complete (step {done} of train.steps={cfg.train.steps}); nothing to "
+          f"do. Evaluate it with `python -m jax_drafter.evaluate --run-dir {out}`, rerun with "
+          "--re-evaluate, or raise train.steps to train on.")
+    return 0
   import yaml
   log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
   progress = None if args.quiet else _tqdm_progress()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import logging
 import os
 import signal
@@ -88,6 +89,13 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None):
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
       regenerate=regen, regenerate_key=regen_key)
   return target, dcfg, ds
+
+
+def _jsonl(record: dict) -> str:
+  """One metrics line: non-finite numbers become null (NaN is not JSON; readers would choke)."""
+  clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+           for k, v in record.items()}
+  return json.dumps(clean, allow_nan=False) + "\n"
 
 
 class _Interrupt:
@@ -260,7 +268,7 @@ class _Run:
       log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f", i + 1,
                t.steps, m["loss"], m["accuracy"], m["tau_estimate"], m["lr"], m["grad_norm"],
                m["tokens_per_s"])
-    self.metrics_file.write(json.dumps(m) + "\n")
+    self.metrics_file.write(_jsonl(m))
     self.metrics_file.flush()
     if self.writer is not None:
       for k, v in m.items():
@@ -281,14 +289,14 @@ class _Run:
     report = evaluate_tau(target, self.dcfg, self.graphdef, self.state.params, prompts,
                           max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=self.frozen,
                           reference_cache=self.references)
-    est = self.history[-1]["tau_estimate"] if self.history else float("nan")
+    est = self.history[-1]["tau_estimate"] if self.history else None  # None, never NaN: JSONL
     ll = report["lossless"]
     log.info("step %d: speculative decoding on %d held-out prompts: tau %.3f (training estimate "
-             "%.2f), lossless %s (%d near-ties within rounding noise)", step, len(prompts),
-             report["tau"], est, ll["passed"], len(ll["ties"]))
+             "%s), lossless %s (%d near-ties within rounding noise)", step, len(prompts),
+             report["tau"], "n/a" if est is None else f"{est:.2f}", ll["passed"], len(ll["ties"]))
     rec = {"step": step, "eval_tau": report["tau"], "train_tau_estimate": est,
            "lossless": ll["passed"], "near_ties": len(ll["ties"])}
-    self.metrics_file.write(json.dumps(rec) + "\n")
+    self.metrics_file.write(_jsonl(rec))
     if self.writer is not None:
       self.writer.add_scalar("eval/tau", report["tau"], step)
     self.summary.setdefault("evaluations", []).append(rec)

@@ -344,16 +344,17 @@ def torch_adamw(model, t):
 
 
 def torch_lr(t, i: int) -> float:
-  """The learning rate of update i (0-based), written out for torch: linear warmup from 0 over
-  train.warmup_steps, then cosine to min_lr_ratio * peak at train.steps (step.make_optimizer's
-  optax.warmup_cosine_decay_schedule). Independent of step.learning_rate, so that a change to the
-  JAX schedule shows up as a parity failure instead of reaching both sides."""
+  """The learning rate of update i (0-based), written out for torch: linear warmup over
+  train.warmup_steps with the first update at peak / warmup_steps, then cosine to min_lr_ratio *
+  peak at train.steps (step.lr_schedule: optax's warmup-cosine at i + 1). Independent of
+  step.learning_rate, so that a change to the JAX schedule shows up as a parity failure instead of
+  reaching both sides."""
   import math
-  peak, W = t.learning_rate, t.warmup_steps
-  if i < W:
-    return peak * i / W
+  peak, W, j = t.learning_rate, t.warmup_steps, i + 1
+  if j < W:
+    return peak * j / W
   D = max(t.steps, W + 1) - W
-  cosine = 0.5 * (1 + math.cos(math.pi * min(i - W, D) / D))
+  cosine = 0.5 * (1 + math.cos(math.pi * min(j - W, D) / D))
   return peak * ((1 - t.min_lr_ratio) * cosine + t.min_lr_ratio)
 
 

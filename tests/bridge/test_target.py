@@ -95,3 +95,12 @@ def test_feature_cache_equals_the_target_and_runs_each_row_once(tiny, monkeypatc
   torch.testing.assert_close(small.stacked_features([other], [0, 2]),
                              tiny.stacked_features([other], [0, 2]))
   assert small.full and not small.rows
+
+
+def test_config_numbers_read_through_float32_are_written_as_decimals():
+  import numpy as np
+  from bridge.target import _decimal
+  assert float(np.float32(1e-5)) == 9.999999747378752e-06
+  assert _decimal(float(np.float32(1e-5))) == 1e-05          # GGUF's rms_norm_eps, 1e-05 again
+  assert _decimal(1e-6) == 1e-6 and _decimal(100000.0) == 100000.0
+  assert _decimal(0.1) == 0.1                                # not a float32 value: left as it is

@@ -317,3 +317,23 @@ def test_batch_iterator_resume_and_errors():
     data.BatchIterator(rows, batch_size=12, seed=0)
   with pytest.raises(DataError, match="batch_size=2 but this run has 3"):
     resumed.load_state_dict({**state, "batch_size": 2})
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+  """U+2028 is valid inside a JSON string (ensure_ascii=False writers emit it raw); it must not
+  split a record."""
+  path = tmp_path / "u2028.jsonl"
+  rec = {"id": "a", "messages": [{"role": "user", "content": "one\u2028two"},
+                                 {"role": "assistant", "content": "three\u2029four"}]}
+  path.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+  assert "\u2028" in path.read_text(encoding="utf-8")
+  convs = data.load_conversations(path)
+  assert convs == [rec]
+
+
+def test_document_counts_mean_what_they_say(tok):
+  ds = data.build_dataset(tok, data.SHAREGPT, 128, max_conversations=24, held_out=4, seed=0)
+  s = ds.stats
+  assert s["documents_tokenized"] == s["train_conversations"] == 20
+  assert s["documents_truncated"] <= s["documents_tokenized"]
+  assert s["documents"] + s["dropped_no_anchor"] == s["documents_tokenized"]

@@ -80,3 +80,13 @@ def test_cli_exports_a_checkpoint(tmp_path):
   assert export.main(["--run-dir", str(tmp_path / "nothing"), "--out", str(out)]) == 1
 
 
+
+
+def test_export_files_are_readable_by_others(tmp_path):
+  """safetensors writes 0600; an export gets the mode of any new file under the umask."""
+  import os
+  export.write_zlab(str(tmp_path), CFG, _params())
+  umask = os.umask(0)
+  os.umask(umask)
+  for name in ("model.safetensors", "config.json"):
+    assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask, name

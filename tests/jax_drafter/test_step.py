@@ -115,3 +115,12 @@ def test_drafter_with_the_pallas_kernel_in_interpret_mode_matches_xla():
   np.testing.assert_allclose(val, ref_val, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_first_update_has_a_nonzero_learning_rate():
+  t = TrainSection(steps=100, warmup_steps=10, learning_rate=1e-3, min_lr_ratio=0.1)
+  lrs = [float(st.learning_rate(t, i)) for i in range(100)]
+  assert lrs[0] == pytest.approx(1e-4)                  # peak / warmup_steps, not 0
+  assert lrs[9] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
+  assert lrs[99] == pytest.approx(1e-4)                 # min_lr_ratio * peak at the last update
+  assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))

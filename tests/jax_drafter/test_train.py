@@ -52,3 +52,40 @@ def test_real_default_run_shortened(tmp_path):
   assert os.path.exists(os.path.join(out, "export", "model.safetensors"))
 
 
+
+
+def _cli_args(cfg):
+  return ["--quiet", "--config", os.devnull] + [
+      f"{s}.{k}={json.dumps(v) if not isinstance(v, str) else v}"
+      for s, sec in cfg.to_dict().items() for k, v in sec.items()]
+
+
+def test_bad_data_path_fails_before_the_target_loads(tiny_target_dir, tmp_path, monkeypatch,
+                                                     capsys):
+  import bridge.target
+
+  def no(*a, **k):
+    raise AssertionError("the target loaded before the data path was checked")
+
+  monkeypatch.setattr(bridge.target, "load_target", no)
+  cfg = tiny_run_config(tiny_target_dir, str(tmp_path / "missing.jsonl"), str(tmp_path / "r"))
+  assert train_cli.main(_cli_args(cfg)) == 1
+  assert "missing.jsonl: data file not found" in capsys.readouterr().err
+
+
+def test_rerunning_a_finished_run_says_so_and_writes_nothing(tiny_target_dir, sharegpt_sample,
+                                                             tmp_path, capsys):
+  out = str(tmp_path / "run")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.steps=2",
+                        "train.eval_prompts=1", "train.eval_max_new_tokens=4")
+  assert train_cli.main(_cli_args(cfg)) == 0
+  lines = open(os.path.join(out, "metrics.jsonl")).read()
+  capsys.readouterr()
+  assert train_cli.main(_cli_args(cfg)) == 0
+  assert "this run is complete (step 2 of train.steps=2)" in capsys.readouterr().out
+  assert open(os.path.join(out, "metrics.jsonl")).read() == lines    # nothing appended
+  assert train_cli.main(_cli_args(cfg) + ["--re-evaluate"]) == 0
+  records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]  # valid JSON
+  assert [r["step"] for r in records if "eval_tau" in r] == [2, 2]
+  assert all(r["train_tau_estimate"] is None or r["train_tau_estimate"] > 0
+             for r in records if "eval_tau" in r)
