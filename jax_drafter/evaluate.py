@@ -22,6 +22,9 @@ import logging
 import os
 import sys
 
+# Before JAX initialises: never grab all GPU memory up front (the target shares the device).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import numpy as np
 
@@ -403,6 +406,7 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
+  jax.devices()  # initialise JAX's backend before torch touches CUDA (import alone does not)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):  # the report, not their INFO
     logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   log = logging.getLogger("jax_drafter.regenerate")
 
-  import jax  # noqa: F401  (initialise JAX before torch touches CUDA, as training does)
+  import jax
+  jax.devices()  # initialise JAX's backend before torch touches CUDA, as training does
   from bridge.regenerate import RegenerationError
   from bridge.target import TargetError
   from jax_drafter import data as data_lib

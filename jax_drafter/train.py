@@ -53,7 +53,8 @@ def main(argv=None, *, first_step=None) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   log = logging.getLogger("jax_drafter.train")
 
-  import jax  # noqa: F401  (initialise JAX before torch touches CUDA)
+  import jax
+  jax.devices()  # initialise JAX's backend before torch touches CUDA (import alone does not)
   from jax_drafter.config import ConfigError, load_config
   from jax_drafter import trainer
 
