@@ -67,7 +67,7 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
       progress=progress, stats=stats, cuda_graph=cuda_graph)
 
 
-def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None):
+def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: bool = False):
   """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it."""
   from bridge import target as target_lib
   check_inputs(cfg)
@@ -83,7 +83,7 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None):
   if cfg.data.regenerate:
     # DFlash trains on the target's own outputs: the target rewrites the assistant turns first,
     # cached on disk and keyed by the target's fingerprint and the generation settings.
-    regen, regen_key = regeneration(cfg, target, stats=regenerate_stats)
+    regen, regen_key = regeneration(cfg, target, stats=regenerate_stats, progress=progress)
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
@@ -169,14 +169,14 @@ class _Run:
   holds a checkpoint), devices, frozen weights, the jitted step, the metric sinks.
   """
 
-  def __init__(self, cfg: RunConfig, progress: Progress):
+  def __init__(self, cfg: RunConfig, progress: Progress, show_progress: bool = False):
     from bridge.handoff import Handoff, import_frozen
 
     self.cfg, self.progress = cfg, progress
     t = self.t = cfg.train
     out = self.out = t.output_dir
     os.makedirs(out, exist_ok=True)
-    self.target, self.dcfg, self.ds = setup(cfg)
+    self.target, self.dcfg, self.ds = setup(cfg, progress=show_progress)
     dcfg = self.dcfg
     log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
     A, B = t.grad_accum, cfg.data.batch_size
@@ -337,7 +337,7 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
   """
   from bridge.handoff import Handoff
 
-  run = _Run(cfg, progress or Progress())
+  run = _Run(cfg, progress or Progress(), show_progress=progress is not None)
   t, first, total = cfg.train, run.first, cfg.train.steps
   run.progress.start(first, total)
   stop = first + stop_after if stop_after is not None else total
