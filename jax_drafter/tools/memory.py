@@ -37,12 +37,17 @@ GiB = 1 << 30
 class Buffer:
   size: int
   shape: str
-  kind: str        # parameter / output / temp
+  kind: str        # parameter / donated (in a donated argument's memory) / output / temp
   instruction: str
   opcode: str
   op_name: str
   source: str
   function: str
+  note: str = ""   # what it is where XLA names no Python line: "argument ...", "XLA temporary: ..."
+
+  @property
+  def where(self) -> str:
+    return f"{self.source} {self.function}".strip() or self.note
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -94,11 +99,15 @@ def _dump_options(dump_dir: str, fast: bool) -> dict:
 
 def _buffer(name: str, size: int, values, instrs) -> Buffer:
   base = name.split("{")[0]
-  ins = instrs.get(base) or xla_dump.Instr(base, "?", "?")
-  v = values.get(name.removesuffix("{}")) or values.get(base)
+  ins = instrs.get(base) or xla_dump.Instr(base, "", "", note="XLA temporary")
+  # A tuple's own value is named "x{}" in the buffer assignment, an array's plain "x".
+  v = values.get(name) or values.get(name.removesuffix("{}")) or values.get(base)
   shape = re.sub(r"\{[\d,]*\}$", "", v.shape if v else ins.shape)
-  return Buffer(size, shape, v.allocation if v else "?", ins.name, ins.opcode, ins.op_name,
-                ins.source, ins.function)
+  kind = v.allocation if v else "n/a"
+  if kind == "parameter" and not ins.argument:
+    kind = "donated"   # XLA reuses a donated argument's memory for it: no bytes of its own
+  return Buffer(size, shape, kind, ins.name, ins.opcode, ins.op_name, ins.source, ins.function,
+                ins.note)
 
 
 @contextlib.contextmanager
@@ -182,10 +191,9 @@ def human(n: float) -> str:
 
 
 def _row(b: Buffer) -> str:
-  where = f"{b.source} {b.function}".strip() or ("(argument)" if b.kind == "parameter" else "?")
-  op = b.op_name.replace("\\'", "'").rsplit("/", 2)
-  op = "/".join(op[-2:]) if len(op) > 1 else op[0]
-  return f"  {human(b.size)}  {b.shape:<24} {b.kind:<9} {b.instruction:<30} {where}  [{op}]"
+  op = "/".join(b.op_name.rsplit("/", 2)[-2:])   # innermost scopes: "transpose(jvp(..))/dot_general"
+  op = f"  [{op}]" if op and op not in b.where else ""
+  return f"  {human(b.size)}  {b.shape:<24} {b.kind:<9} {b.instruction:<30} {b.where}{op}"
 
 
 def format_report(r: Report) -> str:
@@ -198,10 +206,13 @@ def format_report(r: Report) -> str:
             + (f" (+{gib(r.host_temp_bytes).strip()} GiB on host)" if r.host_temp_bytes else ""),
             f"  {gib(r.peak_bytes)}  predicted peak",
             f"  {r.flops / 1e12:8.3f}  TFLOP per step (XLA cost analysis)"]
+  if r.peak_buffers or r.largest_buffers:
+    lines.append("Buffers: size, shape, kind (parameter: an argument; donated: held in a donated "
+                 "argument's memory, no bytes of its own; temp; output), XLA name, Python source")
   if r.peak_buffers:
     at = r.peak_instruction
-    lines.append("Largest buffers live at the peak" + (
-        f" (reached at {at.instruction}, {at.source} {at.function}):" if at else ":"))
+    lines.append("Largest buffers live at the peak"
+                 + (f", reached at {at.instruction} ({at.where}):" if at else ":"))
     lines += [_row(b) for b in r.peak_buffers]
   if r.largest_buffers:
     lines.append("Largest single buffers anywhere in the step:")
@@ -210,8 +221,11 @@ def format_report(r: Report) -> str:
 
 
 def _key(b: Buffer) -> str:
-  op = b.op_name.replace("\\'", "'").split("/")[-1] if b.op_name else b.instruction
-  return f"{os.path.basename(b.source) or b.instruction} {op}"
+  """The same buffer across compiles: its line and op; without a line, what XLA says it is
+  (instruction names are numbered per compile)."""
+  if not b.source:   # paths shortened to file names, as for the lines
+    return re.sub(r"[\w./]+/([\w.]+\.py)", r"\1", b.note.replace("argument ", "arg "))
+  return f"{os.path.basename(b.source)} {b.op_name.split('/')[-1] or b.opcode}"
 
 
 def scaling(plan: Plan, base: Report | None = None, top: int = 10) -> str:
@@ -225,16 +239,17 @@ def scaling(plan: Plan, base: Report | None = None, top: int = 10) -> str:
     for b in r.largest_buffers + r.peak_buffers:
       k = _key(b)
       sizes.setdefault(k, [0, 0, 0])[i] = max(sizes.get(k, [0, 0, 0])[i], b.size)
-  head = f"  {'':<40} {'base':>11} {'2x S':>11} {'2x N':>11}"
-  row = lambda k, a, s, n: f"  {k[:40]:<40} {human(a)} {human(s)} {human(n)}"
+  head = f"  {'':<48} {'base':>11} {'2x S':>11} {'2x N':>11}"
+  row = lambda k, a, s, n: f"  {k[:48]:<48} {human(a)} {human(s)} {human(n)}"
   lines = [f"How it scales: base S={plan.seq_len} N={t.num_anchors}; 2x S; 2x N", head,
            row("predicted peak", base.peak_bytes, r_s.peak_bytes, r_n.peak_bytes),
            row("temporaries", base.temp_bytes, r_s.temp_bytes, r_n.temp_bytes),
            "  largest buffers by creating line and op (max over buffers of that line):"]
   for k, (a, s, n) in sorted(sizes.items(), key=lambda kv: -max(kv[1]))[:top]:
-    grow = lambda x: "?" if not a or not x else f"x{x / a:.1f}"
+    grow = lambda x: "-" if not a or not x else f"x{x / a:.1f}"
     lines.append(row(k, a, s, n) + f"   S:{grow(s)} N:{grow(n)}")
-  lines.append("  (x2 = linear in that dimension, x4 = quadratic, x1 = does not depend on it)")
+  lines.append("  (x2 = linear in that dimension, x4 = quadratic, x1 = does not depend on it; "
+               "- = not among that compile's largest buffers)")
   return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import pytest
 from jax_drafter import objective, trainer
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
-from jax_drafter.tools import memory, plans
+from jax_drafter.tools import memory, plans, xla_dump
 
 from tiny_fixtures import tiny_run_config
 
@@ -70,6 +70,66 @@ def test_report_names_ce_and_attention_buffers_with_project_lines(base):
   assert base.peak_buffers and base.peak_bytes >= base.temp_bytes > 0
   assert base.peak_bytes == (base.argument_bytes + base.output_bytes - base.alias_bytes
                              + base.temp_bytes)
+
+
+# ---- a source for every buffer ----
+
+@pytest.fixture(scope="module")
+def tiny():
+  plan = plans.build_plan("tiny")
+  return plan, memory.analyze(plan)
+
+
+def test_report_gives_every_buffer_a_source_and_no_stray_commas(tiny):
+  _, rep = tiny
+  text = memory.format_report(rep)
+  assert "?" not in text, text
+  assert not re.search(r",\s*[)\]:]|\(\s*,|,\s*$|,\s{2,}", text, re.M), text
+  assert all(b.where for b in rep.all_buffers), [b for b in rep.all_buffers if not b.where]
+  args = [b for b in rep.all_buffers if b.kind == "parameter"]
+  assert args and all(b.where.startswith("argument ") for b in args)
+  assert "argument frozen['embed']" in text and "argument batch['features']" in text
+  assert rep.peak_instruction.where in text
+
+
+def test_fusion_without_metadata_takes_its_fused_ops_line():
+  """XLA's CPU passes build fusions with no metadata: the line comes from the op nearest the root
+  of the fused computation; with none there, the value is an XLA temporary named after what it
+  copies (a convert: its operand) or who reads it (a dot: its user)."""
+  hlo = """HloModule m
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %mul.1 = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(f)/mul" source_file="/x/jax_drafter/model.py" source_line=7}
+  ROOT %bitcast.1 = f32[4]{0} bitcast(%mul.1)
+}
+
+%fused_b (p.1: bf16[4]) -> f32[4] {
+  %p.1 = bf16[4]{0} parameter(0)
+  ROOT %convert.1 = f32[4]{0} convert(%p.1)
+}
+
+%fused_c (p.2: f32[4], p.3: f32[4]) -> f32[4,4] {
+  %p.2 = f32[4]{0} parameter(0)
+  %p.3 = f32[4]{0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%p.2, %p.3)
+}
+
+ENTRY %main (x.1: bf16[4]) -> f32[4,4] {
+  %x.1 = bf16[4]{0} parameter(0), metadata={op_name="batch[\\'features\\']"}
+  %convert_fusion = f32[4]{0} fusion(%x.1), kind=kLoop, calls=%fused_b
+  %mul_fusion = f32[4]{0} fusion(%convert_fusion), kind=kLoop, calls=%fused_a
+  %dot_fusion = f32[4,4]{1,0} fusion(%mul_fusion, %convert_fusion), kind=kCustom, calls=%fused_c
+  ROOT %exp.1 = f32[4,4]{1,0} exponential(%dot_fusion), metadata={op_name="jit(f)/exp" source_file="/x/pallas_kernels/dflash_attention/reference.py" source_line=95}
+}
+"""
+  ins = xla_dump.parse_hlo(hlo)
+  assert ins["x.1"].where == "argument batch['features']"
+  assert ins["mul_fusion"].source == "jax_drafter/model.py:7"
+  assert ins["mul_fusion"].op_name == "jit(f)/mul"
+  assert ins["convert_fusion"].where == "XLA temporary: convert of argument batch['features']"
+  assert ins["dot_fusion"].where == ("XLA temporary: dot read at "
+                                     "pallas_kernels/dflash_attention/reference.py:95")
 
 
 def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
