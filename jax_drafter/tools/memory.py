@@ -53,6 +53,34 @@ class Buffer:
     return dataclasses.asdict(self)
 
 
+# The dense-mask attention (implementation "xla" or "reference") is this file's jnp; the Pallas
+# kernel shows up as custom calls named after its pallas_calls instead.
+DENSE_ATTENTION = "pallas_kernels/dflash_attention/reference.py"
+_KERNEL_CALLS = re.compile(r"\bdflash_(?:fwd|bwd_dq|bwd_dkv)\b")
+# Checked with JAX 0.10.2 on a CPU machine (test_gpu_plan_cannot_be_compiled_on_a_cpu_machine):
+# `jit(...).trace(...).lower(lowering_platforms=("cuda",))` works, but `.compile()` compiles
+# for the local backend: a CPU plan for the dense path, and for the kernel "No FFI handler
+# registered for __gpu$xla.gpu.triton on a platform Host". jax.experimental.topologies has no
+# "cuda" topology without the CUDA plugin, so there is no device-less GPU compile either.
+NO_GPU_PLAN_HERE = (
+    "A GPU plan cannot be compiled without a GPU: JAX lowers the step for CUDA (Traced.lower "
+    "with lowering_platforms) but compiles it for this machine's backend, where the kernel's "
+    "Triton calls have no handler, and has no GPU topology to compile against.")
+
+
+@dataclass
+class Attention:
+  """Which attention the compiled step holds, and what the dense path holds at the peak."""
+  implementation: str      # as asked, or "xla (the default on cpu)"; "" when the caller did not say
+  dense: bool              # the step holds the dense-mask path's ops (DENSE_ATTENTION)
+  kernel: bool             # the step calls the Pallas kernel (dflash_fwd, dflash_bwd_*)
+  peak_bytes: int = 0      # bytes of the dense path's buffers live at the peak
+  peak_count: int = 0
+  without_bytes: int = 0   # the most the schedule holds at once without the dense path's buffers
+  score_bytes: int = 0     # one layer's f32 context scores [B, Q, Hq, S], from the plan's shapes
+  score_shape: str = ""
+
+
 @dataclass
 class Report:
   title: str
@@ -68,6 +96,7 @@ class Report:
   all_buffers: list[Buffer] = field(default_factory=list, repr=False)   # every value, largest first
   peak_instruction: Buffer | None = None
   backend: str = ""
+  attention: Attention | None = None
 
   @property
   def peak_bytes(self) -> int:
@@ -110,6 +139,29 @@ def _buffer(name: str, size: int, values, instrs) -> Buffer:
                 ins.note)
 
 
+def _attention(plan: Plan | None, hlo_text: str, instrs, peak: list[Buffer], lr,
+               values) -> Attention:
+  """The attention the step was compiled with, read from the HLO; with a plan, also the size of
+  one layer's dense f32 context scores, the tensor the Pallas kernel never builds."""
+  impl = ""
+  if plan is not None:
+    from pallas_kernels.dflash_attention import api
+    asked = (plan.attn_impl or {}).get("implementation")
+    impl = asked or f"{api.default_implementation()} (the default on {jax.default_backend()})"
+  dense = lambda name: DENSE_ATTENTION in getattr(instrs.get(name.split("{")[0]), "where", "")
+  dense_bufs = [b for b in peak if DENSE_ATTENTION in b.where]
+  att = Attention(impl, any(DENSE_ATTENTION in i.where for i in instrs.values()),
+                  bool(_KERNEL_CALLS.search(hlo_text)), sum(b.size for b in dense_bufs),
+                  len(dense_bufs))
+  if att.dense:
+    att.without_bytes, _ = xla_dump.live_peak(lr, values, skip=dense)
+  if plan is not None:
+    B, Q, Hq, S = (plan.batch_size, plan.train.num_anchors * plan.cfg.block_size,
+                   plan.cfg.num_attention_heads, plan.seq_len)
+    att.score_bytes, att.score_shape = 4 * B * Q * Hq * S, f"[B={B}, Q={Q}, Hq={Hq}, S={S}]"
+  return att
+
+
 @contextlib.contextmanager
 def _fresh_compile():
   """A persistent-cache hit would skip XLA and write no dump files: compile for real.
@@ -130,8 +182,11 @@ def _fresh_compile():
 
 
 def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_dir: str | None = None,
-                        fast: bool = True, top: int = 12):
-  """Compile `lowered` with XLA's text dumps on, read them -> (Report, compiled)."""
+                        fast: bool = True, top: int = 12, plan: Plan | None = None):
+  """Compile `lowered` with XLA's text dumps on, read them -> (Report, compiled).
+
+  plan: the shapes `lowered` was built from, when known: the report then names the attention
+  implementation asked for and the size of the dense path's score tensor."""
   tmp = tempfile.mkdtemp(prefix="xla_mem_")
   try:
     with _fresh_compile():
@@ -147,8 +202,10 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
     rep = Report(title, ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
                  ma.temp_size_in_bytes, getattr(ma, "host_temp_size_in_bytes", 0), _flops(compiled),
                  arguments, backend=jax.default_backend())
-    rep.peak_buffers = [_buffer(n, s, values, instrs)
-                        for n, s in sorted(lr.peak_values, key=lambda x: -x[1])[:top]]
+    at_peak = [_buffer(n, s, values, instrs)
+               for n, s in sorted(lr.peak_values, key=lambda x: -x[1])]
+    rep.peak_buffers = at_peak[:top]
+    rep.attention = _attention(plan, hlo_text, instrs, at_peak, lr, values)
     big = sorted((v for v in values.values() if v.allocation not in ("constant", "thread-local")),
                  key=lambda v: -v.size)
     rep.all_buffers = [_buffer(v.name, v.size, values, instrs) for v in big]
@@ -173,7 +230,7 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
 def analyze(plan: Plan, *, dump_dir: str | None = None, top: int = 12) -> Report:
   jitted, args, cats = plans.abstract_inputs(plan)
   rep, _ = compile_and_analyze(jitted.lower(*args), cats, title=f"{plan.name}: {plan.describe()}",
-                               dump_dir=dump_dir, top=top)
+                               dump_dir=dump_dir, top=top, plan=plan)
   return rep
 
 
@@ -196,6 +253,42 @@ def _row(b: Buffer) -> str:
   return f"  {human(b.size)}  {b.shape:<24} {b.kind:<9} {b.instruction:<30} {b.where}{op}"
 
 
+def _attention_lines(r: Report) -> list[str]:
+  """What attention the plan holds; for the dense path, its share of the peak and where the GPU's
+  plan differs (docs/DESIGN.md section 5: the Pallas kernel never materialises [Q, S+Q] scores)."""
+  a = r.attention
+  if a is None:
+    return []
+  impl = f"implementation={a.implementation}: " if a.implementation else ""
+  if a.kernel and not a.dense:
+    return [f"Attention: {impl}the Pallas kernel (dflash_fwd, dflash_bwd_dq, dflash_bwd_dkv); it "
+            f"visits [Q, S] score tiles on chip and holds none in memory."]
+  if not a.dense:
+    return [f"Attention: {impl}no dflash_attention ops found in the compiled step."]
+  lines = [f"Attention: {impl}the dense-mask path ({DENSE_ATTENTION}), which materialises f32 "
+           f"scores [Q, S+Q] per layer"
+           + (" (the Pallas kernel ran the forward)" if a.kernel else "")]
+  if a.score_bytes:
+    lines.append(f"  one layer's f32 context scores {a.score_shape} are "
+                 f"{human(a.score_bytes).strip()}; the step keeps several per layer (scores, "
+                 f"probabilities, their gradients)")
+  share = 100 * a.peak_bytes / max(r.peak_bytes, 1)
+  lines.append(f"  {a.peak_count} buffers of the dense path are live at the peak: "
+               f"{human(a.peak_bytes).strip()}, {share:.1f}% of the predicted peak")
+  if a.without_bytes:
+    lines.append(f"  without them the most this schedule holds at once is "
+                 f"{human(a.without_bytes).strip()} (every other buffer as planned here)")
+  if r.backend == "gpu":
+    lines.append("  On a GPU the dense path runs when train.attention asks for it, or when the "
+                 "Pallas kernel does not take these shapes (query heads per KV head and head_dim "
+                 "powers of two, head_dim >= 16).")
+  else:
+    lines += ["  On a GPU the default is the Pallas kernel (implementation=triton), which holds "
+              "none of these buffers: for the GPU's plan, run this command on the GPU machine.",
+              "  " + NO_GPU_PLAN_HERE]
+  return lines
+
+
 def format_report(r: Report) -> str:
   lines = [r.title, f"  backend {r.backend}; sizes in GiB (2^30 bytes)",
            f"  {gib(r.argument_bytes)}  arguments"]
@@ -206,6 +299,7 @@ def format_report(r: Report) -> str:
             + (f" (+{gib(r.host_temp_bytes).strip()} GiB on host)" if r.host_temp_bytes else ""),
             f"  {gib(r.peak_bytes)}  predicted peak",
             f"  {r.flops / 1e12:8.3f}  TFLOP per step (XLA cost analysis)"]
+  lines += _attention_lines(r)
   if r.peak_buffers or r.largest_buffers:
     lines.append("Buffers: size, shape, kind (parameter: an argument; donated: held in a donated "
                  "argument's memory, no bytes of its own; temp; output), XLA name, Python source")
@@ -351,7 +445,7 @@ def run_step(plan: Plan, dump_dir: str | None = None) -> tuple[Report, dict]:
   rep, compiled = compile_and_analyze(jitted.lower(state, batch, frozen),
                                       plans.categories(state, batch, frozen),
                                       title=f"{plan.name}: {plan.describe()}", dump_dir=dump_dir,
-                                      fast=False)
+                                      fast=False, plan=plan)
   new_state, metrics = compiled(state, batch, frozen)
   jax.block_until_ready((new_state, metrics))
   out = {"predicted_peak_bytes": rep.peak_bytes, "measured_peak_bytes": measured_peak_bytes(),

@@ -298,22 +298,29 @@ def parse_live_range(text: str) -> LiveRange:
   return lr
 
 
-def peak_from_ranges(lr: LiveRange, values: dict[str, Value]) -> None:
-  """Fallback when XLA printed no peak section: sweep the live ranges with the value sizes."""
+def live_peak(lr: LiveRange, values: dict[str, Value], skip=lambda name: False) -> tuple[int, int]:
+  """(bytes, time): the most that the values of the schedule, less those `skip` names, hold at
+  once (a sweep of the live ranges with the value sizes)."""
   events = {}
   for name, (a, b) in lr.ranges.items():
     v = values.get(name) or values.get(name.removesuffix("{}"))
-    if v is None or v.allocation in ("constant", "thread-local"):
+    if v is None or v.allocation in ("constant", "thread-local") or skip(name):
       continue
     events.setdefault(a, []).append(v.size)
     events.setdefault(b + 1, []).append(-v.size)
-  cur, best, best_t = 0, -1, 0
+  cur, best, best_t = 0, 0, 0
   for t in sorted(events):
     cur += sum(events[t])
     if cur > best:
       best, best_t = cur, t
-  lr.peak_time = best_t
+  return best, best_t
+
+
+def peak_from_ranges(lr: LiveRange, values: dict[str, Value]) -> None:
+  """Fallback when XLA printed no peak section: the sweep's peak and the values live then."""
+  _, lr.peak_time = live_peak(lr, values)
   lr.peak_values = sorted(((n, (values.get(n) or values[n.removesuffix("{}")]).size)
                            for n, (a, b) in lr.ranges.items()
-                           if a <= best_t <= b and (n in values or n.removesuffix("{}") in values)),
+                           if a <= lr.peak_time <= b
+                           and (n in values or n.removesuffix("{}") in values)),
                           key=lambda x: -x[1])

@@ -72,12 +72,32 @@ def test_report_names_ce_and_attention_buffers_with_project_lines(base):
                              + base.temp_bytes)
 
 
-# ---- a source for every buffer ----
+# ---- the report names its attention, and a source for every buffer ----
 
 @pytest.fixture(scope="module")
 def tiny():
   plan = plans.build_plan("tiny")
   return plan, memory.analyze(plan)
+
+
+def test_report_names_the_attention_and_on_cpu_the_dense_scores(tiny):
+  plan, rep = tiny
+  text = memory.format_report(rep)
+  a = rep.attention
+  if jax.default_backend() == "gpu":   # the Pallas kernel: no dense path, nothing to account for
+    assert a.kernel and not a.dense and "implementation=triton" in text, text
+    return
+  assert "implementation=xla (the default on cpu)" in text and "dense-mask path" in text, text
+  assert a.dense and not a.kernel
+  # One layer's f32 context scores [B, Q, Hq, S], Q = N*K: what the Pallas kernel never holds.
+  B, Q, Hq, S = (plan.batch_size, plan.train.num_anchors * plan.cfg.block_size,
+                 plan.cfg.num_attention_heads, plan.seq_len)
+  assert a.score_bytes == 4 * B * Q * Hq * S and memory.human(a.score_bytes).strip() in text
+  dense = [b for b in rep.peak_buffers if memory.DENSE_ATTENTION in b.where]
+  assert dense and 0 < sum(b.size for b in dense) <= a.peak_bytes < rep.peak_bytes
+  assert f"{100 * a.peak_bytes / rep.peak_bytes:.1f}% of the predicted peak" in text
+  assert 0 < a.without_bytes < rep.peak_bytes
+  assert "run this command on the GPU machine" in text and memory.NO_GPU_PLAN_HERE in text
 
 
 def test_report_gives_every_buffer_a_source_and_no_stray_commas(tiny):
@@ -130,6 +150,17 @@ ENTRY %main (x.1: bf16[4]) -> f32[4,4] {
   assert ins["convert_fusion"].where == "XLA temporary: convert of argument batch['features']"
   assert ins["dot_fusion"].where == ("XLA temporary: dot read at "
                                      "pallas_kernels/dflash_attention/reference.py:95")
+
+
+def test_gpu_plan_cannot_be_compiled_on_a_cpu_machine():
+  """The report says so (NO_GPU_PLAN_HERE); when a JAX release can, offer that plan instead."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("this machine has a GPU: the report is its plan")
+  jitted, args, _ = plans.abstract_inputs(plans.build_plan("tiny", ["train.attention=triton"]))
+  lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  assert "__gpu$xla.gpu.triton" in lowered.as_text()
+  with pytest.raises(Exception, match="triton"):
+    lowered.compile()
 
 
 def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
