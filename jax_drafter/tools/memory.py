@@ -37,15 +37,48 @@ GiB = 1 << 30
 class Buffer:
   size: int
   shape: str
-  kind: str        # parameter / output / temp
+  kind: str        # parameter / donated (in a donated argument's memory) / output / temp
   instruction: str
   opcode: str
   op_name: str
   source: str
   function: str
+  note: str = ""   # what it is where XLA names no Python line: "argument ...", "XLA temporary: ..."
+
+  @property
+  def where(self) -> str:
+    return f"{self.source} {self.function}".strip() or self.note
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+
+# The dense-mask attention (implementation "xla" or "reference") is this file's jnp; the Pallas
+# kernel shows up as custom calls named after its pallas_calls instead.
+DENSE_ATTENTION = "pallas_kernels/dflash_attention/reference.py"
+_KERNEL_CALLS = re.compile(r"\bdflash_(?:fwd|bwd_dq|bwd_dkv)\b")
+# Checked with JAX 0.10.2 on a CPU machine (test_gpu_plan_cannot_be_compiled_on_a_cpu_machine):
+# `jit(...).trace(...).lower(lowering_platforms=("cuda",))` works, but `.compile()` compiles
+# for the local backend: a CPU plan for the dense path, and for the kernel "No FFI handler
+# registered for __gpu$xla.gpu.triton on a platform Host". jax.experimental.topologies has no
+# "cuda" topology without the CUDA plugin, so there is no device-less GPU compile either.
+NO_GPU_PLAN_HERE = (
+    "A GPU plan cannot be compiled without a GPU: JAX lowers the step for CUDA (Traced.lower "
+    "with lowering_platforms) but compiles it for this machine's backend, where the kernel's "
+    "Triton calls have no handler, and has no GPU topology to compile against.")
+
+
+@dataclass
+class Attention:
+  """Which attention the compiled step holds, and what the dense path holds at the peak."""
+  implementation: str      # as asked, or "xla (the default on cpu)"; "" when the caller did not say
+  dense: bool              # the step holds the dense-mask path's ops (DENSE_ATTENTION)
+  kernel: bool             # the step calls the Pallas kernel (dflash_fwd, dflash_bwd_*)
+  peak_bytes: int = 0      # bytes of the dense path's buffers live at the peak
+  peak_count: int = 0
+  without_bytes: int = 0   # the most the schedule holds at once without the dense path's buffers
+  score_bytes: int = 0     # one layer's f32 context scores [B, Q, Hq, S], from the plan's shapes
+  score_shape: str = ""
 
 
 @dataclass
@@ -63,6 +96,7 @@ class Report:
   all_buffers: list[Buffer] = field(default_factory=list, repr=False)   # every value, largest first
   peak_instruction: Buffer | None = None
   backend: str = ""
+  attention: Attention | None = None
 
   @property
   def peak_bytes(self) -> int:
@@ -94,11 +128,38 @@ def _dump_options(dump_dir: str, fast: bool) -> dict:
 
 def _buffer(name: str, size: int, values, instrs) -> Buffer:
   base = name.split("{")[0]
-  ins = instrs.get(base) or xla_dump.Instr(base, "?", "?")
-  v = values.get(name.removesuffix("{}")) or values.get(base)
+  ins = instrs.get(base) or xla_dump.Instr(base, "", "", note="XLA temporary")
+  # A tuple's own value is named "x{}" in the buffer assignment, an array's plain "x".
+  v = values.get(name) or values.get(name.removesuffix("{}")) or values.get(base)
   shape = re.sub(r"\{[\d,]*\}$", "", v.shape if v else ins.shape)
-  return Buffer(size, shape, v.allocation if v else "?", ins.name, ins.opcode, ins.op_name,
-                ins.source, ins.function)
+  kind = v.allocation if v else "n/a"
+  if kind == "parameter" and not ins.argument:
+    kind = "donated"   # XLA reuses a donated argument's memory for it: no bytes of its own
+  return Buffer(size, shape, kind, ins.name, ins.opcode, ins.op_name, ins.source, ins.function,
+                ins.note)
+
+
+def _attention(plan: Plan | None, hlo_text: str, instrs, peak: list[Buffer], lr,
+               values) -> Attention:
+  """The attention the step was compiled with, read from the HLO; with a plan, also the size of
+  one layer's dense f32 context scores, the tensor the Pallas kernel never builds."""
+  impl = ""
+  if plan is not None:
+    from pallas_kernels.dflash_attention import api
+    asked = (plan.attn_impl or {}).get("implementation")
+    impl = asked or f"{api.default_implementation()} (the default on {jax.default_backend()})"
+  dense = lambda name: DENSE_ATTENTION in getattr(instrs.get(name.split("{")[0]), "where", "")
+  dense_bufs = [b for b in peak if DENSE_ATTENTION in b.where]
+  att = Attention(impl, any(DENSE_ATTENTION in i.where for i in instrs.values()),
+                  bool(_KERNEL_CALLS.search(hlo_text)), sum(b.size for b in dense_bufs),
+                  len(dense_bufs))
+  if att.dense:
+    att.without_bytes, _ = xla_dump.live_peak(lr, values, skip=dense)
+  if plan is not None:
+    B, Q, Hq, S = (plan.batch_size, plan.train.num_anchors * plan.cfg.block_size,
+                   plan.cfg.num_attention_heads, plan.seq_len)
+    att.score_bytes, att.score_shape = 4 * B * Q * Hq * S, f"[B={B}, Q={Q}, Hq={Hq}, S={S}]"
+  return att
 
 
 @contextlib.contextmanager
@@ -121,8 +182,11 @@ def _fresh_compile():
 
 
 def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_dir: str | None = None,
-                        fast: bool = True, top: int = 12):
-  """Compile `lowered` with XLA's text dumps on, read them -> (Report, compiled)."""
+                        fast: bool = True, top: int = 12, plan: Plan | None = None):
+  """Compile `lowered` with XLA's text dumps on, read them -> (Report, compiled).
+
+  plan: the shapes `lowered` was built from, when known: the report then names the attention
+  implementation asked for and the size of the dense path's score tensor."""
   tmp = tempfile.mkdtemp(prefix="xla_mem_")
   try:
     with _fresh_compile():
@@ -138,8 +202,10 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
     rep = Report(title, ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
                  ma.temp_size_in_bytes, getattr(ma, "host_temp_size_in_bytes", 0), _flops(compiled),
                  arguments, backend=jax.default_backend())
-    rep.peak_buffers = [_buffer(n, s, values, instrs)
-                        for n, s in sorted(lr.peak_values, key=lambda x: -x[1])[:top]]
+    at_peak = [_buffer(n, s, values, instrs)
+               for n, s in sorted(lr.peak_values, key=lambda x: -x[1])]
+    rep.peak_buffers = at_peak[:top]
+    rep.attention = _attention(plan, hlo_text, instrs, at_peak, lr, values)
     big = sorted((v for v in values.values() if v.allocation not in ("constant", "thread-local")),
                  key=lambda v: -v.size)
     rep.all_buffers = [_buffer(v.name, v.size, values, instrs) for v in big]
@@ -164,7 +230,7 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
 def analyze(plan: Plan, *, dump_dir: str | None = None, top: int = 12) -> Report:
   jitted, args, cats = plans.abstract_inputs(plan)
   rep, _ = compile_and_analyze(jitted.lower(*args), cats, title=f"{plan.name}: {plan.describe()}",
-                               dump_dir=dump_dir, top=top)
+                               dump_dir=dump_dir, top=top, plan=plan)
   return rep
 
 
@@ -182,10 +248,45 @@ def human(n: float) -> str:
 
 
 def _row(b: Buffer) -> str:
-  where = f"{b.source} {b.function}".strip() or ("(argument)" if b.kind == "parameter" else "?")
-  op = b.op_name.replace("\\'", "'").rsplit("/", 2)
-  op = "/".join(op[-2:]) if len(op) > 1 else op[0]
-  return f"  {human(b.size)}  {b.shape:<24} {b.kind:<9} {b.instruction:<30} {where}  [{op}]"
+  op = "/".join(b.op_name.rsplit("/", 2)[-2:])   # innermost scopes: "transpose(jvp(..))/dot_general"
+  op = f"  [{op}]" if op and op not in b.where else ""
+  return f"  {human(b.size)}  {b.shape:<24} {b.kind:<9} {b.instruction:<30} {b.where}{op}"
+
+
+def _attention_lines(r: Report) -> list[str]:
+  """What attention the plan holds; for the dense path, its share of the peak and where the GPU's
+  plan differs (docs/DESIGN.md section 5: the Pallas kernel never materialises [Q, S+Q] scores)."""
+  a = r.attention
+  if a is None:
+    return []
+  impl = f"implementation={a.implementation}: " if a.implementation else ""
+  if a.kernel and not a.dense:
+    return [f"Attention: {impl}the Pallas kernel (dflash_fwd, dflash_bwd_dq, dflash_bwd_dkv); it "
+            f"visits [Q, S] score tiles on chip and holds none in memory."]
+  if not a.dense:
+    return [f"Attention: {impl}no dflash_attention ops found in the compiled step."]
+  lines = [f"Attention: {impl}the dense-mask path ({DENSE_ATTENTION}), which materialises f32 "
+           f"scores [Q, S+Q] per layer"
+           + (" (the Pallas kernel ran the forward)" if a.kernel else "")]
+  if a.score_bytes:
+    lines.append(f"  one layer's f32 context scores {a.score_shape} are "
+                 f"{human(a.score_bytes).strip()}; the step keeps several per layer (scores, "
+                 f"probabilities, their gradients)")
+  share = 100 * a.peak_bytes / max(r.peak_bytes, 1)
+  lines.append(f"  {a.peak_count} buffers of the dense path are live at the peak: "
+               f"{human(a.peak_bytes).strip()}, {share:.1f}% of the predicted peak")
+  if a.without_bytes:
+    lines.append(f"  without them the most this schedule holds at once is "
+                 f"{human(a.without_bytes).strip()} (every other buffer as planned here)")
+  if r.backend == "gpu":
+    lines.append("  On a GPU the dense path runs when train.attention asks for it, or when the "
+                 "Pallas kernel does not take these shapes (query heads per KV head and head_dim "
+                 "powers of two, head_dim >= 16).")
+  else:
+    lines += ["  On a GPU the default is the Pallas kernel (implementation=triton), which holds "
+              "none of these buffers: for the GPU's plan, run this command on the GPU machine.",
+              "  " + NO_GPU_PLAN_HERE]
+  return lines
 
 
 def format_report(r: Report) -> str:
@@ -198,10 +299,14 @@ def format_report(r: Report) -> str:
             + (f" (+{gib(r.host_temp_bytes).strip()} GiB on host)" if r.host_temp_bytes else ""),
             f"  {gib(r.peak_bytes)}  predicted peak",
             f"  {r.flops / 1e12:8.3f}  TFLOP per step (XLA cost analysis)"]
+  lines += _attention_lines(r)
+  if r.peak_buffers or r.largest_buffers:
+    lines.append("Buffers: size, shape, kind (parameter: an argument; donated: held in a donated "
+                 "argument's memory, no bytes of its own; temp; output), XLA name, Python source")
   if r.peak_buffers:
     at = r.peak_instruction
-    lines.append("Largest buffers live at the peak" + (
-        f" (reached at {at.instruction}, {at.source} {at.function}):" if at else ":"))
+    lines.append("Largest buffers live at the peak"
+                 + (f", reached at {at.instruction} ({at.where}):" if at else ":"))
     lines += [_row(b) for b in r.peak_buffers]
   if r.largest_buffers:
     lines.append("Largest single buffers anywhere in the step:")
@@ -210,8 +315,11 @@ def format_report(r: Report) -> str:
 
 
 def _key(b: Buffer) -> str:
-  op = b.op_name.replace("\\'", "'").split("/")[-1] if b.op_name else b.instruction
-  return f"{os.path.basename(b.source) or b.instruction} {op}"
+  """The same buffer across compiles: its line and op; without a line, what XLA says it is
+  (instruction names are numbered per compile)."""
+  if not b.source:   # paths shortened to file names, as for the lines
+    return re.sub(r"[\w./]+/([\w.]+\.py)", r"\1", b.note.replace("argument ", "arg "))
+  return f"{os.path.basename(b.source)} {b.op_name.split('/')[-1] or b.opcode}"
 
 
 def scaling(plan: Plan, base: Report | None = None, top: int = 10) -> str:
@@ -225,16 +333,17 @@ def scaling(plan: Plan, base: Report | None = None, top: int = 10) -> str:
     for b in r.largest_buffers + r.peak_buffers:
       k = _key(b)
       sizes.setdefault(k, [0, 0, 0])[i] = max(sizes.get(k, [0, 0, 0])[i], b.size)
-  head = f"  {'':<40} {'base':>11} {'2x S':>11} {'2x N':>11}"
-  row = lambda k, a, s, n: f"  {k[:40]:<40} {human(a)} {human(s)} {human(n)}"
+  head = f"  {'':<48} {'base':>11} {'2x S':>11} {'2x N':>11}"
+  row = lambda k, a, s, n: f"  {k[:48]:<48} {human(a)} {human(s)} {human(n)}"
   lines = [f"How it scales: base S={plan.seq_len} N={t.num_anchors}; 2x S; 2x N", head,
            row("predicted peak", base.peak_bytes, r_s.peak_bytes, r_n.peak_bytes),
            row("temporaries", base.temp_bytes, r_s.temp_bytes, r_n.temp_bytes),
            "  largest buffers by creating line and op (max over buffers of that line):"]
   for k, (a, s, n) in sorted(sizes.items(), key=lambda kv: -max(kv[1]))[:top]:
-    grow = lambda x: "?" if not a or not x else f"x{x / a:.1f}"
+    grow = lambda x: "-" if not a or not x else f"x{x / a:.1f}"
     lines.append(row(k, a, s, n) + f"   S:{grow(s)} N:{grow(n)}")
-  lines.append("  (x2 = linear in that dimension, x4 = quadratic, x1 = does not depend on it)")
+  lines.append("  (x2 = linear in that dimension, x4 = quadratic, x1 = does not depend on it; "
+               "- = not among that compile's largest buffers)")
   return "\n".join(lines)
 
 
@@ -336,7 +445,7 @@ def run_step(plan: Plan, dump_dir: str | None = None) -> tuple[Report, dict]:
   rep, compiled = compile_and_analyze(jitted.lower(state, batch, frozen),
                                       plans.categories(state, batch, frozen),
                                       title=f"{plan.name}: {plan.describe()}", dump_dir=dump_dir,
-                                      fast=False)
+                                      fast=False, plan=plan)
   new_state, metrics = compiled(state, batch, frozen)
   jax.block_until_ready((new_state, metrics))
   out = {"predicted_peak_bytes": rep.peak_bytes, "measured_peak_bytes": measured_peak_bytes(),

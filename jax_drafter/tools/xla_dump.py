@@ -33,6 +33,17 @@ class Instr:
   op_name: str = ""
   source: str = ""        # "objective.py:114" (innermost frame; project frames preferred)
   function: str = ""      # the Python function of that frame
+  # Where XLA names no source line: "argument frozen['embed']", "XLA temporary: convert of ...".
+  note: str = ""
+  operands: list[str] = field(default_factory=list, repr=False)
+  calls: list[str] = field(default_factory=list, repr=False)     # fused / called computations
+  computation: str = field(default="", repr=False)
+  argument: bool = False  # a parameter of the entry computation: an argument of the jitted function
+
+  @property
+  def where(self) -> str:
+    """The Python line and function that made this value, else what XLA says it is."""
+    return f"{self.source} {self.function}".strip() or self.note
 
 
 @dataclass
@@ -78,17 +89,22 @@ def _frames(text: str):
   for line in _section(text, "FileLocations"):
     i, rest = line.split(" ", 1)
     d = dict(re.findall(r"(\w+)=(\d+)", rest))
-    locs[int(i)] = (files.get(int(d.get("file_name_id", 0)), "?"), int(d.get("line", 0)),
-                    funcs.get(int(d.get("function_name_id", 0)), "?"))
+    if int(d.get("file_name_id", -1)) in files:
+      locs[int(i)] = (files[int(d["file_name_id"])], int(d.get("line", 0)),
+                      funcs.get(int(d.get("function_name_id", -1)), ""))
   frames = {}
   for line in _section(text, "StackFrames"):
     i, rest = line.split(" ", 1)
     d = dict(re.findall(r"(\w+)=(\d+)", rest))
-    frames[int(i)] = locs.get(int(d.get("file_location_id", 0)), ("?", 0, "?"))
+    if int(d.get("file_location_id", -1)) in locs:   # a frame XLA cannot place names no line
+      frames[int(i)] = locs[int(d["file_location_id"])]
   return frames
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%([\w.\-]+)"
+                    r"|branch_computations=\{([^}]*)\}")
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
@@ -104,6 +120,17 @@ def _split_shape(rest: str) -> tuple[str, str]:
   return shape, tail
 
 
+def _operands(tail: str) -> list[str]:
+  """'%a' names inside the opcode's own parentheses: 'fusion(%a, %b), kind=..' -> [a, b]."""
+  depth = 0
+  for i, ch in enumerate(tail):
+    depth += ch == "("
+    depth -= ch == ")"
+    if ch == ")" and depth == 0:
+      return re.findall(r"%([\w.\-]+)", tail[:i])
+  return []
+
+
 def short_path(path: str) -> str:
   for d in PROJECT_DIRS:
     k = path.rfind(f"/{d}/")
@@ -113,30 +140,117 @@ def short_path(path: str) -> str:
 
 
 def parse_hlo(text: str) -> dict[str, Instr]:
-  """Instruction name -> shape, opcode, op_name and the Python line that created it."""
+  """Instruction name -> shape, opcode, op_name and the Python line that created it.
+
+  Every instruction gets a `where`: its own metadata's line; else (a fusion that XLA's CPU
+  passes, e.g. the XNNPACK and layout fusions, built without metadata) the line of the op
+  nearest the root of its fused computation that kept one; else a note saying what it is: an
+  argument by name, or an XLA temporary with the op and the value it was made from.
+  """
   frames = _frames(text)
-  out = {}
+  out, computations, entry, comp = {}, {}, "", ""
   for line in text.splitlines():
+    if not line.startswith(" ") and (c := _COMPUTATION.match(line)):
+      comp = c.group(2)
+      entry = comp if c.group(1) else entry
+      computations[comp] = []
+      continue
     m = _INSTR.match(line)
-    if not m:
+    if not m or not line.startswith(" "):
       continue
     name, rest = m.groups()
     shape, tail = _split_shape(rest)
     op = re.match(r"([a-z][\w\-]*)\(", tail)
-    ins = Instr(name, shape, op.group(1) if op else "?")
+    ins = Instr(name, shape, op.group(1) if op else "", operands=_operands(tail), computation=comp)
+    for one, many in _CALLS.findall(tail):
+      ins.calls += [one] if one else re.findall(r"%([\w.\-]+)", many)
     md = re.search(r"metadata=\{(.*?)\}(?:,|$)", tail)
     if md:
       meta = md.group(1)
       if (v := re.search(r'op_name="((?:[^"\\]|\\.)*)"', meta)):
-        ins.op_name = v.group(1)
+        ins.op_name = v.group(1).replace("\\'", "'").replace('\\"', '"')
       if (f := re.search(r'source_file="([^"]*)"', meta)):
         ln = re.search(r"source_line=(\d+)", meta)
-        ins.source = f"{short_path(f.group(1))}:{ln.group(1) if ln else '?'}"
+        ins.source = short_path(f.group(1)) + (f":{ln.group(1)}" if ln else "")
       if (s := re.search(r"stack_frame_id=(\d+)", meta)) and int(s.group(1)) in frames:
         file, ln, fn = frames[int(s.group(1))]
         ins.source, ins.function = f"{short_path(file)}:{ln}", fn
     out[name] = ins
+    computations.setdefault(comp, []).append(name)
+  for ins in out.values():
+    _from_callee(ins, out, computations, set())
+  callers, users = {}, {}
+  for ins in out.values():
+    for c in ins.calls:
+      callers.setdefault(c, ins)
+    for o in ins.operands:
+      users.setdefault(o, []).append(ins.name)
+  for ins in out.values():
+    ins.argument = ins.opcode == "parameter" and ins.computation == entry
+    if ins.opcode == "parameter" and not ins.source:
+      caller = callers.get(ins.computation)
+      ins.note = (f"argument {ins.op_name}".strip() if ins.argument else
+                  f"state of the {caller.opcode} at {caller.where}" if caller and caller.source else
+                  f"parameter of {ins.computation}")
+  for ins in out.values():
+    if not ins.where:
+      ins.note = _temporary(ins, out, computations, users)
   return out
+
+
+def _from_callee(ins: Instr, instrs: dict, computations: dict, seen: set) -> None:
+  """A fusion without metadata takes the source of the op nearest its root that has one
+  (fused computations list operands before users, so the last such op is nearest the root)."""
+  if ins.source or not ins.calls or ins.name in seen:
+    return
+  seen.add(ins.name)
+  for comp in ins.calls:
+    for name in reversed(computations.get(comp, [])):
+      inner = instrs[name]
+      _from_callee(inner, instrs, computations, seen)
+      if inner.source:
+        ins.source, ins.function = inner.source, inner.function
+        ins.op_name = ins.op_name or inner.op_name
+        return
+
+
+# Ops that only move, retype or reshape a value: it is named after the value it copies. Any other
+# op that lost its metadata (on CPU, the XNNPACK dot fusions) is named after the code that reads it.
+_LAYOUT_OPS = ("bitcast", "copy", "reshape", "parameter")
+_COPY_OPS = _LAYOUT_OPS + ("convert", "transpose", "broadcast", "slice", "dynamic-slice", "pad",
+                           "concatenate", "gather", "tuple", "get-tuple-element")
+
+
+def _nearest(start: list[str], step, instrs: dict) -> str:
+  """Breadth first from `start` along `step` (operands or users): the first value with a Python
+  line or an argument name, a few hops at most."""
+  todo, seen = list(start), set()
+  while todo and len(seen) < 32:
+    o = instrs.get(todo.pop(0))
+    if o is None or o.name in seen:
+      continue
+    seen.add(o.name)
+    if o.source or o.argument:
+      return o.where
+    todo += step(o)
+  return ""
+
+
+def _temporary(ins: Instr, instrs: dict, computations: dict, users: dict) -> str:
+  """'XLA temporary: convert of argument batch['features']', 'XLA temporary: dot read at
+  reference.py:91 ...': the op that computes the value, past the layout ops at a fusion's root,
+  and the nearest value with a name in the direction that says what it is."""
+  ops = [instrs[n].opcode for c in ins.calls[:1] for n in reversed(computations.get(c, []))]
+  what = next((o for o in ops or [ins.opcode] if o not in _LAYOUT_OPS), "copy")
+  back = lambda: _nearest(ins.operands, lambda o: o.operands, instrs)
+  fwd = lambda: _nearest(users.get(ins.name, []), lambda o: users.get(o.name, []), instrs)
+  if what in _COPY_OPS:
+    src, how = back(), "of"
+    src, how = (src, how) if src else (fwd(), "read at")
+  else:
+    src, how = fwd(), "read at"
+    src, how = (src, how) if src else (back(), "of")
+  return f"XLA temporary: {what} {how} {src}" if src else f"XLA temporary: {what}"
 
 
 _VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+)(?: \(phi\))? @\d+> \(size=(\d+),offset=\d+\): (.*)$")
@@ -184,22 +298,29 @@ def parse_live_range(text: str) -> LiveRange:
   return lr
 
 
-def peak_from_ranges(lr: LiveRange, values: dict[str, Value]) -> None:
-  """Fallback when XLA printed no peak section: sweep the live ranges with the value sizes."""
+def live_peak(lr: LiveRange, values: dict[str, Value], skip=lambda name: False) -> tuple[int, int]:
+  """(bytes, time): the most that the values of the schedule, less those `skip` names, hold at
+  once (a sweep of the live ranges with the value sizes)."""
   events = {}
   for name, (a, b) in lr.ranges.items():
     v = values.get(name) or values.get(name.removesuffix("{}"))
-    if v is None or v.allocation in ("constant", "thread-local"):
+    if v is None or v.allocation in ("constant", "thread-local") or skip(name):
       continue
     events.setdefault(a, []).append(v.size)
     events.setdefault(b + 1, []).append(-v.size)
-  cur, best, best_t = 0, -1, 0
+  cur, best, best_t = 0, 0, 0
   for t in sorted(events):
     cur += sum(events[t])
     if cur > best:
       best, best_t = cur, t
-  lr.peak_time = best_t
+  return best, best_t
+
+
+def peak_from_ranges(lr: LiveRange, values: dict[str, Value]) -> None:
+  """Fallback when XLA printed no peak section: the sweep's peak and the values live then."""
+  _, lr.peak_time = live_peak(lr, values)
   lr.peak_values = sorted(((n, (values.get(n) or values[n.removesuffix("{}")]).size)
                            for n, (a, b) in lr.ranges.items()
-                           if a <= best_t <= b and (n in values or n.removesuffix("{}") in values)),
+                           if a <= lr.peak_time <= b
+                           and (n in values or n.removesuffix("{}") in values)),
                           key=lambda x: -x[1])

@@ -17,7 +17,7 @@ import pytest
 from jax_drafter import objective, trainer
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
-from jax_drafter.tools import memory, plans
+from jax_drafter.tools import memory, plans, xla_dump
 
 from tiny_fixtures import tiny_run_config
 
@@ -70,6 +70,97 @@ def test_report_names_ce_and_attention_buffers_with_project_lines(base):
   assert base.peak_buffers and base.peak_bytes >= base.temp_bytes > 0
   assert base.peak_bytes == (base.argument_bytes + base.output_bytes - base.alias_bytes
                              + base.temp_bytes)
+
+
+# ---- the report names its attention, and a source for every buffer ----
+
+@pytest.fixture(scope="module")
+def tiny():
+  plan = plans.build_plan("tiny")
+  return plan, memory.analyze(plan)
+
+
+def test_report_names_the_attention_and_on_cpu_the_dense_scores(tiny):
+  plan, rep = tiny
+  text = memory.format_report(rep)
+  a = rep.attention
+  if jax.default_backend() == "gpu":   # the Pallas kernel: no dense path, nothing to account for
+    assert a.kernel and not a.dense and "implementation=triton" in text, text
+    return
+  assert "implementation=xla (the default on cpu)" in text and "dense-mask path" in text, text
+  assert a.dense and not a.kernel
+  # One layer's f32 context scores [B, Q, Hq, S], Q = N*K: what the Pallas kernel never holds.
+  B, Q, Hq, S = (plan.batch_size, plan.train.num_anchors * plan.cfg.block_size,
+                 plan.cfg.num_attention_heads, plan.seq_len)
+  assert a.score_bytes == 4 * B * Q * Hq * S and memory.human(a.score_bytes).strip() in text
+  dense = [b for b in rep.peak_buffers if memory.DENSE_ATTENTION in b.where]
+  assert dense and 0 < sum(b.size for b in dense) <= a.peak_bytes < rep.peak_bytes
+  assert f"{100 * a.peak_bytes / rep.peak_bytes:.1f}% of the predicted peak" in text
+  assert 0 < a.without_bytes < rep.peak_bytes
+  assert "run this command on the GPU machine" in text and memory.NO_GPU_PLAN_HERE in text
+
+
+def test_report_gives_every_buffer_a_source_and_no_stray_commas(tiny):
+  _, rep = tiny
+  text = memory.format_report(rep)
+  assert "?" not in text, text
+  assert not re.search(r",\s*[)\]:]|\(\s*,|,\s*$|,\s{2,}", text, re.M), text
+  assert all(b.where for b in rep.all_buffers), [b for b in rep.all_buffers if not b.where]
+  args = [b for b in rep.all_buffers if b.kind == "parameter"]
+  assert args and all(b.where.startswith("argument ") for b in args)
+  assert "argument frozen['embed']" in text and "argument batch['features']" in text
+  assert rep.peak_instruction.where in text
+
+
+def test_fusion_without_metadata_takes_its_fused_ops_line():
+  """XLA's CPU passes build fusions with no metadata: the line comes from the op nearest the root
+  of the fused computation; with none there, the value is an XLA temporary named after what it
+  copies (a convert: its operand) or who reads it (a dot: its user)."""
+  hlo = """HloModule m
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %mul.1 = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(f)/mul" source_file="/x/jax_drafter/model.py" source_line=7}
+  ROOT %bitcast.1 = f32[4]{0} bitcast(%mul.1)
+}
+
+%fused_b (p.1: bf16[4]) -> f32[4] {
+  %p.1 = bf16[4]{0} parameter(0)
+  ROOT %convert.1 = f32[4]{0} convert(%p.1)
+}
+
+%fused_c (p.2: f32[4], p.3: f32[4]) -> f32[4,4] {
+  %p.2 = f32[4]{0} parameter(0)
+  %p.3 = f32[4]{0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%p.2, %p.3)
+}
+
+ENTRY %main (x.1: bf16[4]) -> f32[4,4] {
+  %x.1 = bf16[4]{0} parameter(0), metadata={op_name="batch[\\'features\\']"}
+  %convert_fusion = f32[4]{0} fusion(%x.1), kind=kLoop, calls=%fused_b
+  %mul_fusion = f32[4]{0} fusion(%convert_fusion), kind=kLoop, calls=%fused_a
+  %dot_fusion = f32[4,4]{1,0} fusion(%mul_fusion, %convert_fusion), kind=kCustom, calls=%fused_c
+  ROOT %exp.1 = f32[4,4]{1,0} exponential(%dot_fusion), metadata={op_name="jit(f)/exp" source_file="/x/pallas_kernels/dflash_attention/reference.py" source_line=95}
+}
+"""
+  ins = xla_dump.parse_hlo(hlo)
+  assert ins["x.1"].where == "argument batch['features']"
+  assert ins["mul_fusion"].source == "jax_drafter/model.py:7"
+  assert ins["mul_fusion"].op_name == "jit(f)/mul"
+  assert ins["convert_fusion"].where == "XLA temporary: convert of argument batch['features']"
+  assert ins["dot_fusion"].where == ("XLA temporary: dot read at "
+                                     "pallas_kernels/dflash_attention/reference.py:95")
+
+
+def test_gpu_plan_cannot_be_compiled_on_a_cpu_machine():
+  """The report says so (NO_GPU_PLAN_HERE); when a JAX release can, offer that plan instead."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("this machine has a GPU: the report is its plan")
+  jitted, args, _ = plans.abstract_inputs(plans.build_plan("tiny", ["train.attention=triton"]))
+  lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  assert "__gpu$xla.gpu.triton" in lowered.as_text()
+  with pytest.raises(Exception, match="triton"):
+    lowered.compile()
 
 
 def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
