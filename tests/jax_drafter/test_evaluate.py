@@ -326,6 +326,10 @@ def test_cli_end_to_end(smollm2, tmp_path, monkeypatch):
   rc = evaluate.main(["--drafter-dir", zdir, "--prompts", str(prompts), "--max-new-tokens", "6",
                       "--json", str(out)])
   assert rc == 0
+  # The report is not buried under absl/orbax INFO lines (orbax logs through absl when a run's
+  # checkpoint is read): the CLI raises those loggers to WARNING.
+  import logging
+  assert all(logging.getLogger(n).getEffectiveLevel() >= logging.WARNING for n in ("absl", "orbax"))
   report = json.loads(out.read_text())
   assert report["block_size"] == 4 and report["lossless"]["passed"] is True
   assert report["num_prompts"] == 1 and report["per_prompt"][0]["new_tokens"] <= 6
