@@ -1,4 +1,4 @@
-"""The overfit gate on the real SmolLM2-135M target (float32, CPU) and the default 1-layer drafter.
+"""The overfit gate on the real SmolLM2-135M target (float32, CPU) and the default 1-layer drafter at block 16.
 
 One conversation whose greedy answer holds "\\n\\n" as one token (1116) within the first 48 tokens:
 memorised from the exact ids it drafts back at 16 of 16; memorised from its text encoded again
@@ -18,7 +18,8 @@ CONVERSATION = 10      # ShareGPT conversation whose answer holds token 1116 at 
 MAX_NEW_TOKENS = 48    # a multiple of the block size: a perfect drafter reaches tau 16
 STEPS = 80             # memorises with a margin at lr 1e-3 (the loss plateaus for ~40 steps first)
 ANCHORS = 8            # of 47 candidates per step: steps, not anchors, end the plateau
-OVERRIDES = ["target.device=cpu", "train.learning_rate=1e-3", "train.log_every=10"]
+OVERRIDES = ["target.device=cpu", "drafter.block_size=16", "train.learning_rate=1e-3",
+             "train.log_every=10"]
 
 
 @pytest.fixture(scope="module")
