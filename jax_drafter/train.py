@@ -109,7 +109,7 @@ def main(argv=None, *, first_step=None) -> int:
 
 def _tqdm_progress():
   from tqdm import tqdm
-  from jax_drafter.trainer import Progress
+  from jax_drafter.trainer import Progress, bound
   bar = {}
 
   def start(first, total):
@@ -119,7 +119,9 @@ def _tqdm_progress():
     b = bar["b"]
     b.update(step - b.n)
     b.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}",
-                  tau=f"{m['tau_estimate']:.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+                  tau=f"{m['tau_estimate']:.2f}", tok_s=f"{m['tokens_per_s']:.0f}",
+                  target=f"{m['target_tokens_per_s']:.0f}",
+                  drafter=f"{m['drafter_tokens_per_s']:.0f}", bound=bound(m))
 
   return Progress(start=start, update=update, close=lambda: bar.get("b") and bar["b"].close())
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from jax_drafter import checkpoint as ckpt
 from jax_drafter import data as data_lib
+from jax_drafter import pipeline
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, RunConfig, resolve_drafter
 
@@ -73,7 +74,8 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
   check_inputs(cfg)
   tc = cfg.target
   target = target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype,
-                                  device=tc.device, trust_remote_code=tc.trust_remote_code)
+                                  device=tc.devices[0] if tc.devices else tc.device,
+                                  trust_remote_code=tc.trust_remote_code)
   mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
              else target_lib.choose_mask_token_id(target))
   dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
@@ -89,6 +91,20 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
       regenerate=regen, regenerate_key=regen_key)
   return target, dcfg, ds
+
+
+def load_replicas(cfg: RunConfig) -> list:
+  """The target replicas beyond the first one (target.devices[1:]), each loaded on its device."""
+  from bridge import target as target_lib
+  tc = cfg.target
+  return [target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=d,
+                                 trust_remote_code=tc.trust_remote_code)
+          for d in (tc.devices or ())[1:]]
+
+
+def _host_value(x) -> float:
+  """A replicated scalar as a float, also when the array spans other processes' devices."""
+  return float(np.asarray(x.addressable_data(0)))
 
 
 def _jsonl(record: dict) -> str:
@@ -123,43 +139,9 @@ class _Interrupt:
       signal.signal(signal.SIGINT, self.prev)
 
 
-class Placement:
-  """Where the drafter runs: the first local device, or data parallel over all local devices.
-
-  With several devices the rows of every batch are split over a 1-D mesh ("data") and the state
-  and frozen weights are replicated; XLA inserts the gradient all-reduce (the loss sums are over
-  the global batch, so the result equals one device's). Target features are produced by one
-  target and copied to the devices that own their rows (explicit device_put).
-  """
-
-  def __init__(self, batch_size: int):
-    devices = jax.local_devices()
-    self.device = devices[0]
-    self.mesh = None
-    if len(devices) > 1:
-      if batch_size % len(devices):
-        raise TrainingError(f"data.batch_size={batch_size} must be a multiple of the {len(devices)} "
-                            "drafter devices JAX sees (or restrict them with "
-                            "jax_cuda_visible_devices / CUDA_VISIBLE_DEVICES)")
-      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-      self.mesh = Mesh(np.array(devices), ("data",))
-      self.replicated = NamedSharding(self.mesh, P())
-      self.rows = NamedSharding(self.mesh, P(None, "data"))   # [A, B, ...]: split B
-      log.info("data parallel over %d devices: %d rows each", len(devices),
-               batch_size // len(devices))
-
-  def replicate(self, tree):
-    return tree if self.mesh is None else jax.device_put(tree, self.replicated)
-
-  def split_rows(self, x):
-    return jnp.asarray(x) if self.mesh is None else jax.device_put(x, self.rows)
-
-  def features(self, handoff, feats_t):
-    """Target features (torch) -> JAX, placed once: on the drafter's device, or straight to
-    the devices that own their rows (not via the first device)."""
-    if self.mesh is None:
-      return handoff.put(feats_t, name="target features", device=self.device)
-    return self.split_rows(handoff.put(feats_t, name="target features"))
+def bound(m: dict) -> str:
+  """Which side limits throughput: the slower of the target side and the drafter side."""
+  return "target" if m["target_tokens_per_s"] < m["drafter_tokens_per_s"] else "drafter"
 
 
 class _Run:
@@ -190,8 +172,8 @@ class _Run:
                    {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
 
     # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
-    # The drafter's device: features from a target on another GPU are copied there explicitly.
-    self.place = Placement(B)
+    # The drafter's devices: features from a target on another GPU are copied there explicitly.
+    self.place = pipeline.Placement(B, t.devices)
     self.state = self.place.replicate(state)
     self.keep = Handoff()
     frozen = import_frozen(self.target.embedding, self.target.lm_head, self.keep,
@@ -199,10 +181,14 @@ class _Run:
     self.frozen = self.place.replicate(frozen)
     self.step_fn = step_lib.jit_train_step(
         step_lib.make_train_step(self.graphdef, dcfg, t, optimizer, _attn_impl(t)),
-        out_shardings=None if self.place.mesh is None else self.place.replicated)
-    from bridge.target import FeatureCache
+        out_shardings=self.place.replicated if self.place.multi else None)
+    self.replicas = [self.target] + load_replicas(cfg)
     gib = cfg.target.feature_cache_gib
-    self.features = FeatureCache(self.target, gib * 2**30) if gib > 0 else self.target
+    if gib > 0:
+      from bridge.target import FeatureCache
+      self.sources = [FeatureCache(r, gib * 2**30) for r in self.replicas]
+    else:
+      self.sources = list(self.replicas)
 
     self.metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
     self.writer = None
@@ -217,7 +203,6 @@ class _Run:
     self.pending = None                             # (step index, metrics, handoff): not read yet
     self.history: list[dict] = []
     self.references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
-    self.t_prev = time.time()
 
   def _resume(self, state):
     _, meta = ckpt.read_meta(self.mngr)
@@ -232,10 +217,11 @@ class _Run:
     log.info("resumed from %s at step %d", self.mngr.directory, int(state.step))
     return state
 
-  def next_batch(self):
-    micro = [next(self.batches) for _ in range(self.t.grad_accum)]
-    host = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-    return host, self.features.stacked_features(micro, self.dcfg.target_layer_ids)
+  def feeder(self, count: int) -> pipeline.Prefetcher:
+    """Target features for the next `count` steps, made ahead on a producer thread."""
+    producer = pipeline.Producer(self.batches, self.t.grad_accum, self.cfg.data.batch_size,
+                                 self.sources, self.dcfg.target_layer_ids, self.place)
+    return pipeline.Prefetcher(producer, count, depth=self.t.prefetch)
 
   def save(self):
     s = ckpt.save(self.mngr, self.state, {
@@ -248,13 +234,19 @@ class _Run:
     """Read the metrics of the step in flight (if any): log them, stop on NaN/Inf."""
     if self.pending is None:
       return
-    (i, metrics, h), self.pending = self.pending, None
+    (i, metrics, feed, waited), self.pending = self.pending, None
     t = self.t
-    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    h.release_after()
-    now = time.time()
-    m["tokens_per_s"] = self.tokens_per_step / max(now - self.t_prev, 1e-9)
-    self.t_prev = now
+    m = {k: _host_value(v) for k, v in metrics.items()}
+    feed.handoff.release_after()
+    drafter_s, wall_s = self.clock.wait(i)
+    tok = self.tokens_per_step
+    # Throughput over the step's wall time (checkpoints and evaluations excluded); each side's
+    # own rate: the target side's forwards and copies, the drafter's time on its devices.
+    m["tokens_per_s"] = tok / max(wall_s, 1e-9)
+    m["target_tokens_per_s"] = tok / max(feed.target_s, 1e-9)
+    m["drafter_tokens_per_s"] = tok / max(drafter_s, 1e-9)
+    m["feature_copy_s"] = feed.copy_s
+    m["drafter_wait_s"] = waited
     m["step"] = i + 1
     if not m.pop("finite"):
       raise TrainingError(
@@ -265,9 +257,10 @@ class _Run:
     self.history.append(m)
     self.progress.update(i + 1, m)
     if (i + 1) % t.log_every == 0 or i + 1 == t.steps or i == self.first:
-      log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f", i + 1,
-               t.steps, m["loss"], m["accuracy"], m["tau_estimate"], m["lr"], m["grad_norm"],
-               m["tokens_per_s"])
+      log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f (target "
+               "%.0f, drafter %.0f: %s-bound)", i + 1, t.steps, m["loss"], m["accuracy"],
+               m["tau_estimate"], m["lr"], m["grad_norm"], m["tokens_per_s"],
+               m["target_tokens_per_s"], m["drafter_tokens_per_s"], bound(m))
     self.metrics_file.write(_jsonl(m))
     self.metrics_file.flush()
     if self.writer is not None:
@@ -335,47 +328,51 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
   before(step_fn, state, batch, frozen) gets the first step's arguments before it is dispatched,
   its after(metrics) that step's metrics once it is.
   """
-  from bridge.handoff import Handoff
-
   run = _Run(cfg, progress or Progress(), show_progress=progress is not None)
   t, first, total = cfg.train, run.first, cfg.train.steps
   run.progress.start(first, total)
-  stop = first + stop_after if stop_after is not None else total
+  stop = min(total, first + stop_after if stop_after is not None else total)
   out_of_time = completed = False
+  feeder = run.feeder(max(0, stop - first))
+  run.clock = pipeline.StepClock()
   t_loop = time.time()
   try:
     with _Interrupt() as intr:
-      for i in range(first, min(total, stop)):
+      for i in range(first, stop):
         if time_budget_s is not None and time.time() - t_loop >= time_budget_s:
           out_of_time = True
           log.info("time budget of %.0f s reached at step %d of %d: saving; rerun the same "
                    "command to continue", time_budget_s, i, total)
           break
-        host, feats_t = run.next_batch()
-        h = Handoff()
-        batch = {k: run.place.split_rows(v) for k, v in host.items()}
-        batch["features"] = run.place.features(h, feats_t)
+        feed, waited = feeder.get()
         if i == first and first_step is not None:
-          first_step.before(run.step_fn, run.state, batch, run.frozen)
-        run.state, metrics = run.step_fn(run.state, batch, run.frozen)
-        run.data_state = run.batches.state_dict()
+          first_step.before(run.step_fn, run.state, feed.batch, run.frozen)
+        run.state, metrics = run.step_fn(run.state, feed.batch, run.frozen)
+        run.clock.dispatched(i, metrics)
+        run.data_state = feed.data_state
         run.flush()                     # step t is dispatched: now read step t-1's metrics
-        run.pending = (i, metrics, h)
+        run.pending = (i, metrics, feed, waited)
         if i == first and first_step is not None:
           first_step.after(metrics)
         if (i + 1) % t.checkpoint_every == 0 and i + 1 < total:
           run.flush()
           run.save()
+          run.clock.pause()             # the save is not training time
         if t.eval_every and t.eval_prompts and (i + 1) % t.eval_every == 0 and i + 1 < total:
           run.flush()
-          run.evaluate(i + 1)
+          with feeder.hold():           # the target decodes: no feature forward meanwhile
+            run.evaluate(i + 1)
+          run.clock.pause()
         if intr.hit:
           break
       run.flush()
+      feeder.close()
       if t.eval_prompts and not intr.hit and (int(run.state.step) == total or out_of_time):
         run.evaluate(int(run.state.step))
     completed = True
   finally:
+    feeder.close()
+    run.clock.close()
     run.close(completed)
   history = run.history
   run.summary.update(final_step=int(run.state.step), last=history[-1] if history else None,
