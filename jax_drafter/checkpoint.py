@@ -36,6 +36,11 @@ def _flat_state(state) -> dict[str, Any]:
   return out
 
 
+def _here(x) -> np.ndarray:
+  """A replicated array (one device, a mesh, or several processes) as this process's copy."""
+  return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+
 def latest_step(run_dir: str) -> int | None:
   """The newest finished checkpoint's step of a run directory, without loading anything (None if
   there is none). Orbax renames a step directory only when it is complete: a digit name is one."""
@@ -50,8 +55,8 @@ def manager(run_dir: str, keep: int = 2) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, state, meta: dict[str, Any]) -> int:
-  step = int(jax.device_get(state.step))
-  flat = {k: np.asarray(jax.device_get(v)) for k, v in _flat_state(state).items()}
+  step = int(_here(state.step))
+  flat = {k: _here(v) for k, v in _flat_state(state).items()}
   mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
                                           meta=ocp.args.JsonSave(meta)), force=True)
   mngr.wait_until_finished()

@@ -41,7 +41,27 @@ def _parser() -> argparse.ArgumentParser:
                       "instead of reporting that it is complete")
   p.add_argument("--no-export", action="store_true", help="skip the z-lab export at the end")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  g = p.add_argument_group("several hosts (one process per host, each with its own target)")
+  g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                 help="address of process 0, the same on every process")
+  g.add_argument("--num-processes", type=int, default=1, metavar="N")
+  g.add_argument("--process-id", type=int, default=0, metavar="I", help="0 .. N-1")
   return p
+
+
+def init_processes(args) -> None:
+  """jax.distributed over N processes (before anything touches JAX's backend). Every process
+  runs the same command with its own --process-id; process 0 writes the run directory."""
+  if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+    raise SystemExit(f"error: --process-id {args.process_id} must be in 0..{args.num_processes - 1}")
+  if args.num_processes == 1:
+    return
+  if not args.coordinator:
+    raise SystemExit("error: --num-processes > 1 needs --coordinator HOST:PORT (process 0's "
+                     "address, reachable from every process)")
+  import jax
+  jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id)
 
 
 def main(argv=None, *, first_step=None) -> int:
@@ -53,6 +73,7 @@ def main(argv=None, *, first_step=None) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   log = logging.getLogger("jax_drafter.train")
 
+  init_processes(args)
   import jax
   jax.devices()  # initialise JAX's backend before torch touches CUDA (import alone does not)
   from jax_drafter.config import ConfigError, load_config
@@ -74,7 +95,7 @@ def main(argv=None, *, first_step=None) -> int:
     return 0
   import yaml
   log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-  progress = None if args.quiet else _tqdm_progress()
+  progress = None if args.quiet or jax.process_index() else _tqdm_progress()
   try:
     summary = trainer.train(cfg, progress=progress, first_step=first_step,
                             time_budget_s=None if args.max_minutes is None else 60 * args.max_minutes)
@@ -82,7 +103,7 @@ def main(argv=None, *, first_step=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   out = cfg.train.output_dir
-  if not args.no_export and summary["final_step"] > 0:
+  if not args.no_export and summary["final_step"] > 0 and jax.process_index() == 0:
     from jax_drafter.export import write_zlab
     export_dir = cfg.train.export_dir or os.path.join(out, "export")
     write_zlab(export_dir, summary["drafter_config"], summary["params"])

@@ -93,6 +93,20 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
   return target, dcfg, ds
 
 
+def setup_in_order(cfg: RunConfig, *, progress: bool = False):
+  """setup(), with several processes: process 0 first (it writes the regeneration and data
+  caches), then the others, which find them written."""
+  if jax.process_count() == 1:
+    return setup(cfg, progress=progress)
+  from jax.experimental import multihost_utils
+  if jax.process_index() == 0:
+    out = setup(cfg, progress=progress)
+    multihost_utils.sync_global_devices("dflash: caches written")
+    return out
+  multihost_utils.sync_global_devices("dflash: caches written")
+  return setup(cfg, progress=False)
+
+
 def load_replicas(cfg: RunConfig) -> list:
   """The target replicas beyond the first one (target.devices[1:]), each loaded on its device."""
   from bridge import target as target_lib
@@ -100,6 +114,13 @@ def load_replicas(cfg: RunConfig) -> list:
   return [target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=d,
                                  trust_remote_code=tc.trust_remote_code)
           for d in (tc.devices or ())[1:]]
+
+
+def local(tree):
+  """Replicated arrays as arrays of this process (the same tree with one process)."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
 def _host_value(x) -> float:
@@ -158,7 +179,8 @@ class _Run:
     t = self.t = cfg.train
     out = self.out = t.output_dir
     os.makedirs(out, exist_ok=True)
-    self.target, self.dcfg, self.ds = setup(cfg, progress=show_progress)
+    self.main = jax.process_index() == 0    # with several processes, process 0 writes the files
+    self.target, self.dcfg, self.ds = setup_in_order(cfg, progress=show_progress and self.main)
     dcfg = self.dcfg
     log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
     A, B = t.grad_accum, cfg.data.batch_size
@@ -168,8 +190,9 @@ class _Run:
     self.mngr = ckpt.manager(out, keep=t.keep_checkpoints)
     if self.mngr.latest_step() is not None:
       state = self._resume(state)
-    ckpt.save_json(os.path.join(out, "config.json"),
-                   {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
+    if self.main:
+      ckpt.save_json(os.path.join(out, "config.json"),
+                     {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
 
     # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
     # The drafter's devices: features from a target on another GPU are copied there explicitly.
@@ -190,19 +213,23 @@ class _Run:
     else:
       self.sources = list(self.replicas)
 
-    self.metrics_file = open(os.path.join(out, "metrics.jsonl"), "a")
+    self.metrics_file = open(os.path.join(out, "metrics.jsonl") if self.main else os.devnull, "a")
     self.writer = None
-    if t.tensorboard:
+    if t.tensorboard and self.main:
       from tensorboardX import SummaryWriter
       self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
     self.tokens_per_step = A * B * cfg.data.seq_len
-    self.first = int(self.state.step)
+    self.first = self.step
     self.summary: dict[str, Any] = {"output_dir": out, "start_step": self.first}
     self.data_state = self.batches.state_dict()     # iterator position matching `state`
     self.last_saved = self.first if self.first else None
     self.pending = None                             # (step index, metrics, handoff): not read yet
     self.history: list[dict] = []
     self.references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
+
+  @property
+  def step(self) -> int:
+    return int(_host_value(self.state.step))
 
   def _resume(self, state):
     _, meta = ckpt.read_meta(self.mngr)
@@ -273,14 +300,17 @@ class _Run:
 
     The target-only reference is decoded at the first evaluation only (`references`)."""
     from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
+    if not self.main:
+      return None                       # process 0 decodes; the others have nothing to add
     t, target = self.t, self.target
     prompts = prompts_from_conversations(self.ds.held_out, t.eval_prompts, tokenizer=target.tokenizer,
                                          max_prompt_tokens=target.info.max_position_embeddings // 2)
     if not prompts:
       log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
       return None
-    report = evaluate_tau(target, self.dcfg, self.graphdef, self.state.params, prompts,
-                          max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=self.frozen,
+    report = evaluate_tau(target, self.dcfg, self.graphdef, local(self.state.params), prompts,
+                          max_new_tokens=t.eval_max_new_tokens, progress=False,
+                          frozen=local(self.frozen),
                           reference_cache=self.references)
     est = self.history[-1]["tau_estimate"] if self.history else None  # None, never NaN: JSONL
     ll = report["lossless"]
@@ -302,7 +332,7 @@ class _Run:
     try:
       if self.pending is not None:
         jax.block_until_ready(self.pending[1])
-      if int(self.state.step) != self.last_saved and int(self.state.step) > 0:
+      if self.step != self.last_saved and self.step > 0:
         self.save()
     except Exception as e:  # noqa: BLE001 - never hide the error that got us here
       if completed:
@@ -367,17 +397,19 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
           break
       run.flush()
       feeder.close()
-      if t.eval_prompts and not intr.hit and (int(run.state.step) == total or out_of_time):
-        run.evaluate(int(run.state.step))
+      if t.eval_prompts and not intr.hit and (run.step == total or out_of_time):
+        if run.step != run.last_saved:
+          run.save()                    # on disk before the (long) evaluation
+        run.evaluate(run.step)
     completed = True
   finally:
     feeder.close()
     run.clock.close()
     run.close(completed)
   history = run.history
-  run.summary.update(final_step=int(run.state.step), last=history[-1] if history else None,
+  run.summary.update(final_step=run.step, last=history[-1] if history else None,
                      first=history[0] if history else None, checkpoint=run.last_saved,
                      drafter_config=run.dcfg, target=run.target, graphdef=run.graphdef,
-                     params=run.state.params, held_out=run.ds.held_out,
+                     params=local(run.state.params), held_out=run.ds.held_out,
                      interrupted=bool(intr.hit), data_stats=run.ds.stats, out_of_time=out_of_time)
   return run.summary
