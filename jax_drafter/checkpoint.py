@@ -37,8 +37,16 @@ def _flat_state(state) -> dict[str, Any]:
 
 
 def _here(x) -> np.ndarray:
-  """A replicated array (one device, a mesh, or several processes) as this process's copy."""
-  return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+  """A state array as a whole host array: this process's copy of a replicated one (one device, a
+  mesh, or several processes), a sharded one gathered."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  if x.sharding.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def latest_step(run_dir: str) -> int | None:

@@ -293,6 +293,8 @@ class TrainSection:
   devices: tuple[str, ...] | None = None  # drafter devices, data parallel ("cuda:2", "cuda:3");
                                           # None = every device JAX sees
   prefetch: int = 1                 # steps of target features made ahead of the drafter (0 = none)
+  shard_state: bool = False         # FSDP-style: parameters and optimizer state split over the
+                                    # drafter devices instead of replicated (1/n memory each)
 
   def __post_init__(self):
     if self.prefetch < 0:

@@ -30,6 +30,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
+MIN_SHARDED_SIZE = 2**14    # train.shard_state: smaller arrays (norms, biases, the rng) stay replicated
+
+
 class LayoutError(ValueError):
   """A device layout that cannot run; the message names the config field."""
 
@@ -91,12 +94,34 @@ class Placement:
                ", ".join(str(d) for d in all_devices), batch_size // n)
 
   def replicate(self, tree):
+    return self.put(tree, jax.tree.map(lambda _: self.replicated, tree))
+
+  def state_shardings(self, state, shard: bool):
+    """Replicated state, or (shard=True, FSDP-style) every array split over the mesh on its
+    largest axis that the device count divides (XLA gathers parameters where a step needs them):
+    parameters and AdamW moments take 1/n of the memory per device."""
+    n = len(self.devices)
+
+    def one(x):
+      shape = np.shape(x)
+      axes = [a for a in np.argsort(shape)[::-1] if shape[a] % n == 0 and shape[a] >= n]
+      if not (shard and self.multi and axes) or np.prod(shape) < MIN_SHARDED_SIZE:
+        return self.replicated
+      spec = [None] * len(shape)
+      spec[axes[0]] = "data"
+      return NamedSharding(self.mesh, P(*spec))
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return jax.tree.map(one, state)
+
+  def put(self, tree, shardings):
+    """Host or single-device arrays -> arrays placed as `shardings` says (also across processes)."""
     if not self.multi:
       return jax.device_put(tree, self.device)
     if jax.process_count() == 1:
-      return jax.device_put(tree, self.replicated)
-    return jax.tree.map(lambda x: jax.make_array_from_callback(
-        np.shape(x), self.replicated, lambda idx: np.asarray(x)[idx]), tree)
+      return jax.device_put(tree, shardings)
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(
+        np.shape(x), s, lambda idx: np.asarray(x)[idx]), tree, shardings)
 
   def split_rows(self, x: np.ndarray):
     """A host array [A, B, ...] that every process holds whole -> rows split over the mesh."""

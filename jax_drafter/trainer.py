@@ -117,10 +117,17 @@ def load_replicas(cfg: RunConfig) -> list:
 
 
 def local(tree):
-  """Replicated arrays as arrays of this process (the same tree with one process)."""
+  """Arrays that span several processes as whole arrays of this process (the same tree with one
+  process): replicated ones by this process's copy, sharded ones gathered."""
   if jax.process_count() == 1:
     return tree
-  return jax.tree.map(lambda x: x.addressable_data(0), tree)
+  from jax.experimental import multihost_utils
+
+  def one(x):
+    if x.sharding.is_fully_replicated:
+      return x.addressable_data(0)
+    return jnp.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)
 
 
 def _host_value(x) -> float:
@@ -197,14 +204,15 @@ class _Run:
     # Frozen weights cross once; the torch tensors stay alive in `keep` for the whole run.
     # The drafter's devices: features from a target on another GPU are copied there explicitly.
     self.place = pipeline.Placement(B, t.devices)
-    self.state = self.place.replicate(state)
+    shardings = self.place.state_shardings(state, t.shard_state)
+    self.state = self.place.put(state, shardings)
     self.keep = Handoff()
     frozen = import_frozen(self.target.embedding, self.target.lm_head, self.keep,
                            device=self.place.device)
     self.frozen = self.place.replicate(frozen)
     self.step_fn = step_lib.jit_train_step(
         step_lib.make_train_step(self.graphdef, dcfg, t, optimizer, _attn_impl(t)),
-        out_shardings=self.place.replicated if self.place.multi else None)
+        out_shardings=(shardings, self.place.replicated) if self.place.multi else None)
     self.replicas = [self.target] + load_replicas(cfg)
     gib = cfg.target.feature_cache_gib
     if gib > 0:
