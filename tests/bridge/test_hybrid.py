@@ -67,6 +67,17 @@ def alone(model, ids, pos, layer_ids):
   return torch.cat([hs[i + 1] for i in layer_ids], -1)[0]
 
 
+def masked_forward(model, ids, pos, doc):
+  """One plain forward of the packed rows under the block-diagonal causal mask (the dense path)."""
+  t = lambda x: torch.as_tensor(x, dtype=torch.long)
+  causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+  mask = (causal & (t(doc)[:, :, None] == t(doc)[:, None, :]))[:, None]
+  with torch.inference_mode():
+    hs = model.model(t(ids), position_ids=t(pos), attention_mask=mask,
+                     output_hidden_states=True).hidden_states
+  return torch.cat([hs[i + 1] for i in LAYERS], -1)
+
+
 def spans(doc_row):
   starts = np.flatnonzero(np.r_[True, doc_row[1:] != doc_row[:-1]])
   return list(zip(starts, np.r_[starts[1:], len(doc_row)]))
@@ -95,13 +106,7 @@ def test_a_single_packed_forward_leaks_state_across_documents(target):
   """The dense path's block-diagonal mask alone: right for the first document of a row, wrong for
   every later one, since the recurrent layers carry their state across the boundary."""
   ids, pos, doc = packed_rows()
-  t = lambda x: torch.as_tensor(x, dtype=torch.long)
-  causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
-  mask = (causal & (t(doc)[:, :, None] == t(doc)[:, None, :]))[:, None]
-  with torch.inference_mode():
-    hs = target.model.model(t(ids), position_ids=t(pos), attention_mask=mask,
-                            output_hidden_states=True).hidden_states
-  naive = torch.cat([hs[i + 1] for i in LAYERS], -1)
+  naive = masked_forward(target.model, ids, pos, doc)
   for b in range(len(ids)):
     (f0, f1), later = spans(doc[b])[0], spans(doc[b])[1:]
     torch.testing.assert_close(naive[b, f0:f1], alone(target.model, ids[b, f0:f1],
@@ -246,14 +251,8 @@ def test_a_dense_target_still_runs_one_masked_forward(tiny_target):
     feats = tiny_target.features(ids, pos, doc, LAYERS)
   finally:
     h.remove()
-  t = lambda x: torch.as_tensor(x, dtype=torch.long)
-  causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
-  mask = (causal & (t(doc)[:, :, None] == t(doc)[:, None, :]))[:, None]
-  with torch.inference_mode():
-    hs = tiny_target.model.model(t(ids), position_ids=t(pos), attention_mask=mask,
-                                 output_hidden_states=True).hidden_states
   assert calls == [1]
-  assert torch.equal(feats, torch.cat([hs[i + 1] for i in LAYERS], -1))
+  assert torch.equal(feats, masked_forward(tiny_target.model, ids, pos, doc))
 
 
 # ---- loading a saved hybrid model ----
