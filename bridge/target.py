@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bridge.hybrid import HybridRows
+
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,6 +90,9 @@ class Target:
         rope_theta=_decimal(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
         rms_norm_eps=_decimal(getattr(c, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
+    # Recurrent (linear-attention) layers would carry state across packed documents: such a
+    # target runs its rows through HybridRows (None for a plain attention target).
+    self.hybrid = HybridRows.for_model(model, self.device, name)
 
   @property
   def embedding(self) -> torch.Tensor:
@@ -108,16 +113,24 @@ class Target:
     """Concatenated outputs of decoder layers `layer_ids` for packed rows: [B, S, n*H].
 
     Documents packed in one row never see each other: the target gets a block-diagonal causal
-    mask built from doc_id and per-document position ids. Layers above max(layer_ids) never run.
+    mask built from doc_id and per-document position ids. A hybrid target (recurrent layers) runs
+    each document as if alone instead (bridge/hybrid.py). Layers above max(layer_ids) never run.
     """
     self.check_layer_ids(layer_ids)
     dev = self.device
     ids = torch.as_tensor(input_ids, device=dev, dtype=torch.long)
     pos = torch.as_tensor(position_ids, device=dev, dtype=torch.long)
+    if self.hybrid is not None:
+      return self.hybrid.features(self._capture, ids, pos, doc_id, layer_ids)
     doc = torch.as_tensor(doc_id, device=dev)
     S = ids.shape[1]
     causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     mask = (causal[None] & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [B, 1, S, S]
+    return self._capture(layer_ids, input_ids=ids, position_ids=pos, attention_mask=mask)
+
+  def _capture(self, layer_ids, **inputs) -> torch.Tensor:
+    """One forward of the decoder stack on `inputs`, stopped after max(layer_ids): the outputs of
+    layers `layer_ids`, concatenated in that order into a fresh contiguous tensor."""
     captured: dict[int, torch.Tensor] = {}
     last = max(layer_ids)
     wanted = set(layer_ids)
@@ -132,7 +145,7 @@ class Target:
 
     handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(wanted)]
     try:
-      self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+      self.model.model(use_cache=False, **inputs)
     except _StopForward:
       pass
     finally:
