@@ -214,7 +214,8 @@ class FeatureDir:
                        "`python -m jax_drafter.cache_features` with the same settings to finish it")
     self.directory, self.manifest = directory, m
     self.layer_ids = tuple(m["settings"]["drafter.target_layer_ids"])
-    self.seq_len, self.feature_size, self.shard_rows = m["seq_len"], m["feature_size"], m["shard_rows"]
+    self.seq_len, self.feature_size = m["seq_len"], m["feature_size"]
+    self.shard_rows = m["shard_rows"]
     self.index: dict[str, int] = {}
     for i, k in enumerate(m["keys"]):
       self.index.setdefault(k, i)
@@ -293,3 +294,15 @@ class FeatureStore:
       x = x.to(self.device)     # bf16 over the bus, widened on the device
     # A fresh tensor every step, never written again once handed to JAX.
     return x.to(self.dtype).contiguous()
+
+
+def open_stores(directory: str, rows: dict, devices, *, dtype: str = "float32") -> list:
+  """A FeatureStore per target device (`target.devices`, or `[target.device]`) over one opened
+  cache, after checking that it holds every row of `rows` (the run's packed rows)."""
+  from bridge.target import resolve_device
+  cache = FeatureDir(directory)
+  cache.check_rows(rows)
+  log.info("target features from %s: %d rows in %d shards (%s), no target forward", directory,
+           cache.manifest["num_rows"], len(cache.manifest["shards"]),
+           human_bytes(sum(s["bytes"] for s in cache.manifest["shards"])))
+  return [FeatureStore(cache, device=resolve_device(str(d)), dtype=dtype) for d in devices]

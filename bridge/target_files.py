@@ -163,12 +163,12 @@ class TargetFiles:
 
     self.embedding = read(embed)
     # Tied: one tensor for both, as in the loaded model (import_frozen then imports it once).
-    self.lm_head = self.embedding if tied or head is None else read(head)
+    self.lm_head = self.embedding if tied else read(head)
     self.info = info_from_config(config, vocab_size=self.embedding.shape[0],
                                  tokenizer_size=len(self.tokenizer), name=path)
     if self.embedding.shape[1] != self.info.hidden_size:
-      raise TargetError(f"{path}: {embed} has shape {tuple(self.embedding.shape)}, but the config's "
-                        f"hidden size is {self.info.hidden_size}")
+      raise TargetError(f"{path}: {embed} has shape {tuple(self.embedding.shape)}, but the "
+                        f"config's hidden size is {self.info.hidden_size}")
     log.info("target %s (files only, no model): %d layers, hidden %d, vocab %d, embedding and LM "
              "head in %s", path, self.info.num_layers, self.info.hidden_size,
              self.info.vocab_size, dtype)

@@ -119,7 +119,7 @@ def test_rows_layers_and_settings_of_another_run_are_refused(tmp_path):
     cache.check_settings({**SETTINGS, "data.seq_len": 16})
   with pytest.raises(fs.CacheError, match="made with another target"):
     cache.check_settings({**SETTINGS, "target.fingerprint": "beef"})
-  with pytest.raises(fs.CacheError, match="made with data.held_out=None, this run has data.held_out=3"):
+  with pytest.raises(fs.CacheError, match="data.held_out=None, this run has data.held_out=3"):
     cache.check_settings({**SETTINGS, "data.held_out": 3})
   # Writing into it with other settings or other rows is refused too, before anything is written.
   with pytest.raises(fs.CacheError, match="target.dtype='float32'"):
