@@ -243,6 +243,9 @@ class DataSection:
   regenerate_batch_tokens: int = 524288     # rows x (longest prompt + max_new_tokens) per batch
   regenerate_file: str | None = None        # JSONL cache; None: <cache_dir>/regenerated.jsonl
   seed: int = 0
+  # A directory written by `python -m jax_drafter.cache_features`: training reads the target's
+  # features from it (stored in bf16) and runs no target forward. None: the target runs online.
+  features: str | None = None
 
   def __post_init__(self):
     if self.seq_len < 8:
@@ -258,6 +261,9 @@ class DataSection:
     if self.regenerate_temperature < 0:
       raise ConfigError(f"data.regenerate_temperature={self.regenerate_temperature} must be >= 0 "
                         "(0 = greedy)")
+    if self.features is not None and not self.features.strip():
+      raise ConfigError("data.features is empty: give the directory written by "
+                        "`python -m jax_drafter.cache_features`, or null to run the target online")
 
   def regenerate_path(self, output_dir: str) -> str:
     return self.regenerate_file or os.path.join(self.cache_dir or output_dir, "regenerated.jsonl")
