@@ -246,6 +246,30 @@ def make_regenerator(model, tokenizer, settings: Settings, **kwargs
   return (lambda convs: regenerate_conversations(model, tokenizer, convs, settings, **kwargs)), key
 
 
+def cached_regenerator(tokenizer, settings: Settings, fingerprint: str, cache_path
+                       ) -> tuple[Callable[[list[dict]], list[dict]], str]:
+  """make_regenerator for a target whose model is not loaded (training from a feature cache):
+  every record comes from `cache_path`, written earlier by the target of `fingerprint`. A
+  conversation that regeneration would skip (its first prompt is too long) is skipped here too;
+  any other one missing from the cache is an error."""
+  def fn(convs: list[dict]) -> list[dict]:
+    cache = _read_cache(Path(cache_path))
+    out, missing = [], []
+    for c in convs:
+      k = _key(c, fingerprint, settings)
+      if k in cache:
+        out.append(cache[k])
+      elif _next_prompt(tokenizer, _start(0, c, settings), settings) is not None:
+        missing.append(c["id"])
+    if missing:
+      raise RegenerationError(
+          f"{len(missing)} of {len(convs)} conversations (first: {missing[0]!r}) are not in the "
+          f"regeneration cache {cache_path}, and the target's model is not loaded to generate "
+          "them; rerun `python -m jax_drafter.cache_features` with this config")
+    return out
+  return fn, regenerate_key(fingerprint, settings)
+
+
 def _key(conv: dict, fingerprint: str, settings: Settings) -> str:
   blob = json.dumps([conv["id"], conv["messages"], fingerprint, asdict(settings)], sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()

@@ -53,8 +53,10 @@ def check_inputs(cfg: RunConfig) -> None:
 
 
 def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
-                 cuda_graph: bool | None = None):
-  """-> (fn, key) that regenerate the training conversations with `target` as configured."""
+                 cuda_graph: bool | None = None, fingerprint: str | None = None):
+  """-> (fn, key) that regenerate the training conversations with `target` as configured.
+  fingerprint: the target's model is not loaded (training from a feature cache); the answers
+  are read from the regeneration cache that this target (of this fingerprint) wrote."""
   from bridge import regenerate as regen_lib
   d = cfg.data
   settings = regen_lib.Settings(
@@ -62,6 +64,9 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
       seed=d.seed, max_prompt_tokens=min(d.seq_len, target.info.max_position_embeddings
                                          - d.regenerate_max_new_tokens),
       max_turns=d.regenerate_max_turns)
+  if fingerprint is not None:
+    return regen_lib.cached_regenerator(target.tokenizer, settings, fingerprint,
+                                        d.regenerate_path(cfg.train.output_dir))
   return regen_lib.make_regenerator(
       target.model, target.tokenizer, settings, cache_path=d.regenerate_path(cfg.train.output_dir),
       batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
@@ -69,23 +74,40 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
 
 
 def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: bool = False):
-  """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it."""
+  """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it.
+
+  With data.features the target runs no forward: it is read from its files without building the
+  model where they allow (bridge.target_files), and the feature cache must have been made with
+  this run's target, layers and data settings."""
   from bridge import target as target_lib
   check_inputs(cfg)
   tc = cfg.target
-  target = target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype,
-                                  device=tc.devices[0] if tc.devices else tc.device,
-                                  trust_remote_code=tc.trust_remote_code)
+  kw = dict(gguf_file=tc.gguf_file, dtype=tc.dtype, trust_remote_code=tc.trust_remote_code,
+            device=tc.devices[0] if tc.devices else tc.device)
+  manifest = None
+  if cfg.data.features:
+    from bridge import feature_store, target_files
+    manifest = feature_store.read_manifest(cfg.data.features)  # a wrong path fails before loading
+    target = target_files.load_without_model(tc.path, **kw)
+  else:
+    target = target_lib.load_target(tc.path, **kw)
   mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
              else target_lib.choose_mask_token_id(target))
   dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
   target.check_layer_ids(dcfg.target_layer_ids)
   target_lib.check_mask_token_id(target, dcfg.mask_token_id)
+  if manifest is not None:
+    from jax_drafter.cache_features import cache_settings
+    feature_store.check_settings(manifest, cache_settings(cfg, dcfg.target_layer_ids),
+                                 cfg.data.features)
   regen, regen_key = None, ""
   if cfg.data.regenerate:
     # DFlash trains on the target's own outputs: the target rewrites the assistant turns first,
     # cached on disk and keyed by the target's fingerprint and the generation settings.
-    regen, regen_key = regeneration(cfg, target, stats=regenerate_stats, progress=progress)
+    no_model = not hasattr(target, "model")   # features from disk: answers from the cache only
+    regen, regen_key = regeneration(
+        cfg, target, stats=regenerate_stats, progress=progress,
+        fingerprint=manifest["regenerate_fingerprint"] if no_model else None)
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
@@ -213,13 +235,20 @@ class _Run:
     self.step_fn = step_lib.jit_train_step(
         step_lib.make_train_step(self.graphdef, dcfg, t, optimizer, _attn_impl(t)),
         out_shardings=(shardings, self.place.replicated) if self.place.multi else None)
-    self.replicas = [self.target] + load_replicas(cfg)
     gib = cfg.target.feature_cache_gib
-    if gib > 0:
-      from bridge.target import FeatureCache
-      self.sources = [FeatureCache(r, gib * 2**30) for r in self.replicas]
+    if cfg.data.features:   # no target forward: every row's features come from disk
+      from bridge.feature_store import open_stores
+      tc = cfg.target
+      self.replicas = []
+      self.sources = open_stores(cfg.data.features, self.ds.rows, tc.devices or (tc.device,),
+                                 dtype=tc.dtype)
     else:
-      self.sources = list(self.replicas)
+      self.replicas = [self.target] + load_replicas(cfg)
+      if gib > 0:
+        from bridge.target import FeatureCache
+        self.sources = [FeatureCache(r, gib * 2**30) for r in self.replicas]
+      else:
+        self.sources = list(self.replicas)
 
     self.metrics_file = open(os.path.join(out, "metrics.jsonl") if self.main else os.devnull, "a")
     self.writer = None
@@ -310,7 +339,10 @@ class _Run:
     from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
     if not self.main:
       return None                       # process 0 decodes; the others have nothing to add
-    t, target = self.t, self.target
+    t = self.t
+    # Training from a feature cache reads only the target's embedding and LM head; decoding needs
+    # the model, built at the first evaluation.
+    target = self.target.load_model() if hasattr(self.target, "load_model") else self.target
     prompts = prompts_from_conversations(self.ds.held_out, t.eval_prompts, tokenizer=target.tokenizer,
                                          max_prompt_tokens=target.info.max_position_embeddings // 2)
     if not prompts:
