@@ -157,3 +157,10 @@ def test_regenerated_answers_train_from_the_cache_without_the_model(
   from bridge.regenerate import RegenerationError
   with pytest.raises(RegenerationError, match="not in the regeneration cache"):
     trainer.setup(trained)
+
+
+def test_an_empty_features_path_is_a_config_error():
+  from jax_drafter.config import ConfigError, load_config
+  with pytest.raises(ConfigError, match="data.features is empty"):
+    load_config(None, ["data.features=''"])
+  assert load_config(None, ["data.features=/x"]).data.features == "/x"
