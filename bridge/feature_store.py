@@ -182,9 +182,9 @@ class Writer:
           if tuple(f_bsf.shape) != (b - a, S, F):
             raise CacheError(f"features of rows {a}..{b} have shape {tuple(f_bsf.shape)}, "
                              f"expected {(b - a, S, F)}")
-          raw = f_bsf.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
-          f.write(raw)
-          h.update(raw)
+          raw = f_bsf.detach().to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy()
+          f.write(raw.data)     # the buffer itself: no bytes copy of a batch that may be GiBs
+          h.update(raw.data)
           if on_rows is not None:
             on_rows(b - a)
         f.flush()
