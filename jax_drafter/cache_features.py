@@ -30,32 +30,11 @@ MAX_SHARDS = 1024       # ...but no more than ~1024 shards: the manifest (every 
                         # rewritten after each one
 
 
-def cache_settings(cfg, layer_ids) -> dict:
-  """What the features of a cache depend on, by config field name: a cache is used only by runs
-  that agree on every one (bridge.feature_store.check_settings names the first that differs)."""
-  from bridge.target_files import fingerprint
-  from jax_drafter.data import resolve_data_path
-  d, regen = cfg.data, cfg.data.regenerate
-  return {
-      "target.fingerprint": fingerprint(cfg.target.path, cfg.target.gguf_file),
-      "target.dtype": cfg.target.dtype,
-      "drafter.target_layer_ids": list(layer_ids),
-      "data.seq_len": d.seq_len,
-      "data.path": str(resolve_data_path(d.path).resolve()),
-      "data.max_conversations": d.max_conversations,
-      "data.held_out": d.held_out,
-      "data.seed": d.seed,
-      "data.regenerate": regen,
-      "data.regenerate_max_new_tokens": d.regenerate_max_new_tokens if regen else None,
-      "data.regenerate_max_turns": d.regenerate_max_turns if regen else None,
-      "data.regenerate_temperature": d.regenerate_temperature if regen else None,
-  }
-
-
 def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = False):
   """Packs the rows as training does and loads the target. -> (Writer for `out`, features fn)."""
   from bridge import regenerate as regen_lib
   from bridge.feature_store import Writer
+  from jax_drafter import data as data_lib
   from jax_drafter import trainer
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
   target, dcfg, ds = trainer.setup(cfg, progress=progress)
@@ -71,7 +50,7 @@ def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = Fa
           # what training without the model needs to find the regenerated answers in their cache
           "regenerate_fingerprint": (regen_lib.target_fingerprint(target.model, target.tokenizer)
                                      if cfg.data.regenerate else None)}
-  writer = Writer(out, ds.rows, cache_settings(cfg, layer_ids), feature_size=F,
+  writer = Writer(out, ds.rows, data_lib.feature_cache_settings(cfg, layer_ids), feature_size=F,
                   shard_rows=shard_rows, info=info)
 
   def features(rows):

@@ -569,3 +569,24 @@ class BatchIterator:
         raise DataError(f"data state from the checkpoint has {k}={state[k]} but this run has "
                         f"{getattr(self, k)}; resume with the same data settings or start fresh")
     self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def feature_cache_settings(cfg, layer_ids) -> dict:
+  """What the features of a cache depend on, by config field name: a cache is used only by runs
+  that agree on every one (bridge.feature_store.check_settings names the first that differs)."""
+  from bridge.target_files import fingerprint
+  d, regen = cfg.data, cfg.data.regenerate
+  return {
+      "target.fingerprint": fingerprint(cfg.target.path, cfg.target.gguf_file),
+      "target.dtype": cfg.target.dtype,
+      "drafter.target_layer_ids": list(layer_ids),
+      "data.seq_len": d.seq_len,
+      "data.path": str(resolve_data_path(d.path).resolve()),
+      "data.max_conversations": d.max_conversations,
+      "data.held_out": d.held_out,
+      "data.seed": d.seed,
+      "data.regenerate": regen,
+      "data.regenerate_max_new_tokens": d.regenerate_max_new_tokens if regen else None,
+      "data.regenerate_max_turns": d.regenerate_max_turns if regen else None,
+      "data.regenerate_temperature": d.regenerate_temperature if regen else None,
+  }

@@ -97,9 +97,8 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
   target.check_layer_ids(dcfg.target_layer_ids)
   target_lib.check_mask_token_id(target, dcfg.mask_token_id)
   if manifest is not None:
-    from jax_drafter.cache_features import cache_settings
-    feature_store.check_settings(manifest, cache_settings(cfg, dcfg.target_layer_ids),
-                                 cfg.data.features)
+    settings = data_lib.feature_cache_settings(cfg, dcfg.target_layer_ids)
+    feature_store.check_settings(manifest, settings, cfg.data.features)
   regen, regen_key = None, ""
   if cfg.data.regenerate:
     # DFlash trains on the target's own outputs: the target rewrites the assistant turns first,
