@@ -34,13 +34,16 @@ def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = Fa
   """Packs the rows as training does and loads the target. -> (Writer for `out`, features fn)."""
   from bridge import regenerate as regen_lib
   from bridge.feature_store import Writer
+  import numpy as np
   from jax_drafter import data as data_lib
   from jax_drafter import trainer
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
   target, dcfg, ds = trainer.setup(cfg, progress=progress)
   layer_ids = dcfg.target_layer_ids
   F = len(layer_ids) * target.info.hidden_size
-  R, S = ds.rows["input_ids"].shape
+  rows = ds.rows if ds.val_rows is None else {   # validation rows need their features too
+      k: np.concatenate([ds.rows[k], ds.val_rows[k]]) for k in ds.rows}
+  R, S = rows["input_ids"].shape
   B = cfg.data.batch_size
   if shard_rows is None:
     batches = max(SHARD_BYTES // (B * S * F * 2), -(-R // (B * MAX_SHARDS)), 1)
@@ -50,7 +53,7 @@ def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = Fa
           # what training without the model needs to find the regenerated answers in their cache
           "regenerate_fingerprint": (regen_lib.target_fingerprint(target.model, target.tokenizer)
                                      if cfg.data.regenerate else None)}
-  writer = Writer(out, ds.rows, data_lib.feature_cache_settings(cfg, layer_ids), feature_size=F,
+  writer = Writer(out, rows, data_lib.feature_cache_settings(cfg, layer_ids), feature_size=F,
                   shard_rows=shard_rows, info=info)
 
   def features(rows):

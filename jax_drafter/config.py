@@ -229,6 +229,7 @@ class DataSection:
   path: str = "sharegpt"            # ShareGPT JSON/JSONL file, or "sharegpt" (the PyPI package)
   max_conversations: int | None = 2000
   held_out: int = 64                # conversations kept out of training for evaluation
+  validation: int = 0               # more kept out for a validation loss (train.val_every)
   seq_len: int = 512
   batch_size: int = 4               # rows per optimizer micro-step (global)
   cache_dir: str | None = "runs/cache"
@@ -295,6 +296,8 @@ class TrainSection:
   eval_every: int = 0               # > 0: also evaluate tau every this many steps
   eval_prompts: int = 0             # > 0: evaluate tau on this many held-out prompts at the end
   eval_max_new_tokens: int = 64
+  val_every: int = 0                # > 0 (with data.validation): validation loss, accuracy and tau
+                                    # estimate every this many steps and at the end
   tensorboard: bool = True
   devices: tuple[str, ...] | None = None  # drafter devices, data parallel ("cuda:2", "cuda:3");
                                           # None = every device JAX sees
@@ -319,6 +322,8 @@ class TrainSection:
                  "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+    if self.val_every < 0 or self.eval_every < 0:
+      raise ConfigError("train.val_every and train.eval_every must be >= 0 (0 = off)")
     if self.warmup_steps < 0 or self.learning_rate <= 0:
       raise ConfigError("train.learning_rate must be > 0 and train.warmup_steps >= 0")
 

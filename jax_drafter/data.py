@@ -388,6 +388,8 @@ class Dataset:
   held_out: list[dict]         # conversations reserved for evaluation, never trained on
   stats: dict
   cache_file: Path | None = None
+  val_rows: dict[str, np.ndarray] | None = None  # validation rows: made like `rows` (regenerated
+                                                 # too) from conversations never trained on
 
 
 def split_held_out(conversations: Sequence[dict], held_out: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -407,14 +409,15 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
                   max_conversations: int | None = None, held_out: int = 0, seed: int = 0,
                   cache_dir: str | os.PathLike | None = None, pack_mode: str = "truncate",
                   regenerate: Callable[[list[dict]], list[dict]] | None = None,
-                  regenerate_key: str = "") -> Dataset:
+                  regenerate_key: str = "", validation: int = 0) -> Dataset:
   """Loads, splits, (optionally regenerates), tokenises and packs; caches the result as .npz.
 
   `max_conversations` caps the usable conversations read (file order) before `held_out` of them are
   reserved. `regenerate` maps the training conversations to records of the target's own turns
   (`bridge.regenerate`: exact token ids `input_ids` and the generated id ranges `assistant_spans`,
   used as they are, never re-tokenised); `regenerate_key` must then name the target and its
-  settings (it is part of the cache key).
+  settings (it is part of the cache key). `validation` training conversations (the last ones) are
+  set aside instead, made into rows the same way: a validation loss that sees overfitting.
   """
   if regenerate is not None and not regenerate_key:
     raise ValueError("build_dataset(regenerate=...) needs a regenerate_key naming the target and "
@@ -428,7 +431,8 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
            "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
            "chat_template": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest(),
            "pad_id": _pad_id(tokenizer), "seq_len": seq_len, "max_conversations": max_conversations,
-           "held_out": held_out, "seed": seed, "pack_mode": pack_mode, "regenerate": regenerate_key}
+           "held_out": held_out, "seed": seed, "pack_mode": pack_mode, "regenerate": regenerate_key,
+           "validation": validation}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     cache_file = Path(cache_dir) / f"data-{digest}.npz"
     cached = _read_cache(cache_file)
@@ -437,21 +441,23 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
       return cached
   convs, skipped = _load(data_path, max_conversations, None)
   train, held = split_held_out(convs, held_out, seed)
-  docs, truncated, regenerated = [], 0, None
-  if regenerate is not None:
-    records = regenerate(train)
-    regenerated = len(records)
-    docs, truncated = token_documents(records, seq_len if pack_mode == "truncate" else None)
+  if not 0 <= validation < len(train):
+    raise DataError(f"data.validation={validation} must be >= 0 and leave conversations to train "
+                    f"on (have {len(train)} after held_out); lower it or raise max_conversations")
+  train, val = train[:len(train) - validation], train[len(train) - validation:]
+  max_tokens = seq_len if pack_mode == "truncate" else None
+  docs, truncated, regenerated = _documents(file, tokenizer, train, max_tokens, regenerate)
+  if regenerated is not None:
     train = []
-  for chunk in range(0, len(train), 512):  # bounded memory for the offsets of the full file
-    batch = train[chunk:chunk + 512]
-    try:
-      d, t = _tokenize(tokenizer, [c["messages"] for c in batch],
-                       seq_len if pack_mode == "truncate" else None)
-    except DataError as e:
-      raise DataError(f"{file}: conversations {batch[0]['id']}..{batch[-1]['id']}: {e}") from None
-    docs, truncated = docs + d, truncated + t
   rows, stats = pack_documents(docs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
+  val_rows = None
+  if val:
+    vdocs, _, _ = _documents(file, tokenizer, val, max_tokens, regenerate)
+    val_rows, vstats = pack_documents(vdocs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
+    if not vstats["rows"]:
+      raise DataError(f"{file}: the {len(val)} validation conversations gave no row with an "
+                      "anchor; raise data.validation or seq_len")
+    stats_val = {"validation_conversations": len(val), "validation_rows": vstats["rows"]}
   if pack_mode == "truncate":
     stats["documents_truncated"] += truncated
   # documents_tokenized: documents made from the conversations; documents_truncated counts among
@@ -461,6 +467,8 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
            "documents_tokenized": len(docs), **stats}
   if regenerated is not None:
     stats["regenerated"] = True
+  if val:
+    stats.update(stats_val)
   if stats["dropped_no_anchor"]:
     log.warning("data: dropped %d documents without two consecutive supervised tokens",
                 stats["dropped_no_anchor"])
@@ -468,10 +476,29 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
     raise DataError(f"{file}: no packed row has two consecutive supervised tokens (a DFlash anchor); "
                     f"raise seq_len or check that the assistant turns are not empty")
   log.info("data: %s", format_stats(stats))
-  ds = Dataset(rows, held, stats, cache_file)
+  ds = Dataset(rows, held, stats, cache_file, val_rows)
   if cache_file is not None:
     _write_cache(cache_file, ds)
   return ds
+
+
+def _documents(file, tokenizer, convs: list[dict], max_tokens: int | None, regenerate
+               ) -> tuple[list, int, int | None]:
+  """Conversations -> (documents, number truncated, number regenerated or None): the target's
+  records when `regenerate` is given, else the chat template over the conversations' own text."""
+  if regenerate is not None:
+    records = regenerate(convs)
+    docs, truncated = token_documents(records, max_tokens)
+    return docs, truncated, len(records)
+  docs, truncated = [], 0
+  for chunk in range(0, len(convs), 512):  # bounded memory for the offsets of the full file
+    batch = convs[chunk:chunk + 512]
+    try:
+      d, t = _tokenize(tokenizer, [c["messages"] for c in batch], max_tokens)
+    except DataError as e:
+      raise DataError(f"{file}: conversations {batch[0]['id']}..{batch[-1]['id']}: {e}") from None
+    docs, truncated = docs + d, truncated + t
+  return docs, truncated, None
 
 
 def token_documents(records: Sequence[dict], max_tokens: int | None
@@ -509,7 +536,8 @@ def _write_cache(path: Path, ds: Dataset) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   meta = json.dumps({"stats": ds.stats, "held_out": ds.held_out}).encode()
   tmp = path.with_name(path.name + ".tmp.npz")
-  np.savez(tmp, meta=np.frombuffer(meta, np.uint8), **ds.rows)
+  val = {f"val_{k}": v for k, v in (ds.val_rows or {}).items()}
+  np.savez(tmp, meta=np.frombuffer(meta, np.uint8), **ds.rows, **val)
   os.replace(tmp, path)  # atomic: an interrupted write never leaves a half cache behind
 
 
@@ -520,10 +548,11 @@ def _read_cache(path: Path) -> Dataset | None:
     with np.load(path, allow_pickle=False) as z:
       meta = json.loads(z["meta"].tobytes())
       rows = {k: z[k] for k in ROW_KEYS}
+      val = {k: z[f"val_{k}"] for k in ROW_KEYS} if f"val_{ROW_KEYS[0]}" in z else None
   except Exception as e:  # a damaged cache is rebuilt, never trusted
     log.warning("data: ignoring unreadable cache %s (%s)", path, e)
     return None
-  return Dataset(rows, meta["held_out"], meta["stats"], path)
+  return Dataset(rows, meta["held_out"], meta["stats"], path, val)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -584,6 +613,7 @@ def feature_cache_settings(cfg, layer_ids) -> dict:
       "data.path": str(resolve_data_path(d.path).resolve()),
       "data.max_conversations": d.max_conversations,
       "data.held_out": d.held_out,
+      "data.validation": d.validation,
       "data.seed": d.seed,
       "data.regenerate": regen,
       "data.regenerate_max_new_tokens": d.regenerate_max_new_tokens if regen else None,

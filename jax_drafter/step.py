@@ -153,6 +153,15 @@ def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
   return train_step
 
 
+def make_eval_sums(graphdef, cfg: DrafterConfig, t: TrainSection, attn_impl: dict | None = None):
+  """Jitted (params, batch [1, B, ...], frozen, key) -> Sums of one batch, no update: the
+  validation loss (the same objective as training, anchors drawn from `key`)."""
+  def eval_sums(params, batch, frozen, key):
+    micro = jax.tree.map(lambda x: x[0], batch)
+    return micro_sums(graphdef, params, micro, frozen, key, cfg=cfg, t=t, attn_impl=attn_impl)
+  return jax.jit(eval_sums)
+
+
 def jit_train_step(train_step, out_shardings=None):
   """State is donated (its buffers are reused for the new state); batch and frozen arrays are not:
   features and frozen weights may be DLPack imports that torch still owns. out_shardings: the

@@ -25,7 +25,7 @@ from jax_drafter import checkpoint as ckpt
 from jax_drafter import data as data_lib
 from jax_drafter import pipeline
 from jax_drafter import step as step_lib
-from jax_drafter.config import DrafterConfig, RunConfig, resolve_drafter
+from jax_drafter.config import ConfigError, DrafterConfig, RunConfig, resolve_drafter
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ def check_inputs(cfg: RunConfig) -> None:
   """Cheap checks of the files a run needs, before anything heavy loads (a bad data path must
   not wait for the target)."""
   data_lib.check_data_path(cfg.data.path)
+  if cfg.train.val_every and not cfg.data.validation:
+    raise ConfigError(f"train.val_every={cfg.train.val_every} needs validation conversations: set "
+                      "data.validation (e.g. 32)")
 
 
 def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
@@ -110,7 +113,7 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
-      regenerate=regen, regenerate_key=regen_key)
+      regenerate=regen, regenerate_key=regen_key, validation=cfg.data.validation)
   return target, dcfg, ds
 
 
@@ -188,6 +191,21 @@ class _Interrupt:
       signal.signal(signal.SIGINT, self.prev)
 
 
+class _InOrder:
+  """Batches of rows in file order, once (the validation rows: the same batches every time)."""
+
+  def __init__(self, rows: dict, batch_size: int):
+    self.rows, self.B, self.i = rows, batch_size, 0
+
+  def __next__(self) -> dict:
+    out = {k: v[self.i:self.i + self.B] for k, v in self.rows.items()}
+    self.i += self.B
+    return out
+
+  def state_dict(self) -> dict:
+    return {"position": self.i}
+
+
 def bound(m: dict) -> str:
   """Which side limits throughput: the slower of the target side and the drafter side."""
   return "target" if m["target_tokens_per_s"] < m["drafter_tokens_per_s"] else "drafter"
@@ -262,6 +280,7 @@ class _Run:
     self.pending = None                             # (step index, metrics, handoff): not read yet
     self.history: list[dict] = []
     self.references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
+    self.eval_sums = None       # the jitted validation forward, built at the first validation
 
   @property
   def step(self) -> int:
@@ -279,6 +298,46 @@ class _Run:
     self.batches.load_state_dict(meta["data"])
     log.info("resumed from %s at step %d", self.mngr.directory, int(state.step))
     return state
+
+  def validate(self, step: int):
+    """Loss, accuracy and tau estimate on the validation rows (never trained on), with the same
+    anchors every time: the curve that shows overfitting, which the training loss cannot."""
+    rows = self.ds.val_rows
+    if rows is None:
+      return None
+    B = self.cfg.data.batch_size
+    R = len(rows["input_ids"])
+    if R < B:                           # fewer rows than a batch: repeat them to fill one
+      rows = {k: np.resize(v, (B,) + v.shape[1:]) for k, v in rows.items()}
+      R = B
+    if self.eval_sums is None:
+      self.eval_sums = step_lib.make_eval_sums(self.graphdef, self.dcfg, self.t, _attn_impl(self.t))
+    producer = pipeline.Producer(_InOrder(rows, B), 1, B, self.sources,
+                                 self.dcfg.target_layer_ids, self.place)
+    key = jax.random.key(self.t.seed + 7)
+    total = None
+    for b in range(R // B):
+      feed = producer.next()
+      sums = self.eval_sums(self.state.params, feed.batch, self.frozen, jax.random.fold_in(key, b))
+      total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+      feed.handoff.release_after(total)
+    producer.close()
+    from jax_drafter import objective
+    m = {k: _host_value(v) for k, v in objective.metrics_from_sums(total).items()}
+    rec = {"step": step, "val_loss": m["loss"], "val_accuracy": m["accuracy"],
+           "val_tau_estimate": m["tau_estimate"]}
+    last = self.history[-1] if self.history else None
+    log.info("step %d: validation (%d rows) loss %.4f acc %.3f tau~ %.2f%s", step, R // B * B,
+             rec["val_loss"], rec["val_accuracy"], rec["val_tau_estimate"],
+             "" if last is None else f" (training: loss {last['loss']:.4f} acc "
+             f"{last['accuracy']:.3f} tau~ {last['tau_estimate']:.2f})")
+    self.metrics_file.write(_jsonl(rec))
+    self.metrics_file.flush()
+    if self.writer is not None:
+      for k in ("val_loss", "val_accuracy", "val_tau_estimate"):
+        self.writer.add_scalar(f"val/{k[4:]}", rec[k], step)
+    self.summary.setdefault("validations", []).append(rec)
+    return rec
 
   def feeder(self, count: int) -> pipeline.Prefetcher:
     """Target features for the next `count` steps, made ahead on a producer thread."""
@@ -427,6 +486,11 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
           run.flush()
           run.save()
           run.clock.pause()             # the save is not training time
+        if t.val_every and (i + 1) % t.val_every == 0 and i + 1 < total:
+          run.flush()
+          with feeder.hold():           # the target computes the validation rows' features
+            run.validate(i + 1)
+          run.clock.pause()
         if t.eval_every and t.eval_prompts and (i + 1) % t.eval_every == 0 and i + 1 < total:
           run.flush()
           with feeder.hold():           # the target decodes: no feature forward meanwhile
@@ -436,6 +500,8 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
           break
       run.flush()
       feeder.close()
+      if t.val_every and not intr.hit and (run.step == total or out_of_time):
+        run.validate(run.step)
       if t.eval_prompts and not intr.hit and (run.step == total or out_of_time):
         if run.step != run.last_saved:
           run.save()                    # on disk before the (long) evaluation

@@ -205,3 +205,33 @@ def test_feature_cache_trains_like_the_live_target(tiny_target_dir, sharegpt_sam
   assert sorted(a) == sorted(b) == [1, 2, 3, 4]
   for s in a:
     assert b[s] == pytest.approx(a[s], rel=1e-5), s
+
+
+def test_validation_rows_are_never_trained_on_and_give_the_same_curve_on_resume(
+    tiny_target_dir, sharegpt_sample, tmp_path):
+  extra = ("data.validation=6", "train.val_every=2", "train.steps=4")
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  whole = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, a, *extra))
+  assert [v["step"] for v in whole["validations"]] == [2, 4]
+  assert all(np.isfinite(v["val_loss"]) and v["val_loss"] > 0 for v in whole["validations"])
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, b, *extra), stop_after=3)
+  resumed = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, b, *extra))
+  assert resumed["validations"][-1]["val_loss"] == pytest.approx(
+      whole["validations"][-1]["val_loss"], rel=1e-6)
+  with open(os.path.join(a, "metrics.jsonl")) as f:
+    assert [r["step"] for r in map(json.loads, f) if "val_loss" in r] == [2, 4]
+  # the validation conversations are not among the training rows
+  _, _, ds = trainer.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, a, *extra))
+  train_rows = {r.tobytes() for r in ds.rows["input_ids"]}
+  assert ds.val_rows is not None and not any(r.tobytes() in train_rows
+                                             for r in ds.val_rows["input_ids"])
+  _, _, plain = trainer.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, a))
+  assert len(plain.rows["input_ids"]) > len(ds.rows["input_ids"])
+
+
+def test_val_every_without_validation_conversations_is_refused(tiny_target_dir, sharegpt_sample,
+                                                               tmp_path):
+  from jax_drafter.config import ConfigError
+  with pytest.raises(ConfigError, match="set data.validation"):
+    trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "x"),
+                                  "train.val_every=2"))
