@@ -176,12 +176,18 @@ class TargetSection:
   trust_remote_code: bool = False
   feature_cache_gib: float = 0.0   # > 0: keep each packed row's target features in memory (on the
                                    # target's device) up to this size; for small data, many epochs
+  memory_budget_gib: float | None = None  # what one target forward may hold on its device, weights
+                                          # included; rows run in sub-batches that fit. None = 90%
+                                          # of the device's free memory at load (CPU: unlimited)
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES}")
     if self.feature_cache_gib < 0:
       raise ConfigError(f"target.feature_cache_gib={self.feature_cache_gib} must be >= 0 (0 = off)")
+    if self.memory_budget_gib is not None and not 0 < self.memory_budget_gib < float("inf"):
+      raise ConfigError(f"target.memory_budget_gib={self.memory_budget_gib} must be a number > 0 "
+                        "(null = 90% of the device's free memory)")
 
 
 @dataclass(frozen=True)

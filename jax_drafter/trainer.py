@@ -73,7 +73,9 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
   check_inputs(cfg)
   tc = cfg.target
   target = target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype,
-                                  device=tc.device, trust_remote_code=tc.trust_remote_code)
+                                  device=tc.device, trust_remote_code=tc.trust_remote_code,
+                                  memory_budget_gib=tc.memory_budget_gib,
+                                  memory_cache_dir=cfg.data.cache_dir)
   mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
              else target_lib.choose_mask_token_id(target))
   dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
