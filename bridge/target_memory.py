@@ -1,5 +1,4 @@
-"""How much device memory one target forward needs, and how to split rows so it never needs more
-than a budget.
+"""How much device memory one target forward needs, and sub-batches that keep it within a budget.
 
 A forward over R rows of S tokens (`Target.features`: layers 0..max(layer_ids), hooks capture the
 wanted layers, the hook on the last one stops the forward) peaks at
@@ -61,7 +60,7 @@ class TargetMemoryModel:
 
   def describe(self) -> str:
     return (f"{self.source}: {self.token_bytes / 1024:.1f} KiB/token + {self.square_bytes:.0f} "
-            f"B/row/token^2 + {self.overhead_bytes / GIB:.2f} GiB per forward, "
+            f"B/row/token^2 + {self.overhead_bytes / 2**20:.1f} MiB per forward, "
             f"{self.fixed_bytes / GIB:.2f} GiB resident")
 
 
@@ -91,16 +90,23 @@ def layer_kinds(config, layers_run: int) -> set[str]:
 
 
 def token_terms(config, *, layers_run: int, n_features: int, dtype_bytes: int) -> dict[str, int]:
-  """The per-token tensors alive at the forward's peak, in bytes, by name (`token_bytes` is the
-  sum of `inputs`, `rotary`, `captured` and the larger of `layer_phase` and `end_phase`).
+  """The per-token tensors alive at the forward's peak, in bytes, by name; `token_bytes` is
+  inputs + rotary + max(last_layer, end).
 
-  The count follows transformers' Llama/Qwen forward: a decoder layer holds its input (the residual
-  stream) while its attention or MLP runs. Attention holds the normed input, q/k/v, the k/v repeated
-  to every query head (SDPA gets an explicit mask, so GQA is expanded), the output and its
-  contiguous transpose; this also covers the RoPE moment (q, q*cos, rot(q)*sin, the sum). The MLP
-  holds the normed input, act(gate), up and their product. A linear-attention layer (Gated DeltaNet)
-  is counted as transformers' torch kernel does it: projections in the model dtype, q/k/v and the
-  chunk matrices in f32 (fla's kernels need less; the fit on CUDA measures what runs).
+  The count follows transformers' Llama/Qwen forward, and the peak is in the last layer that runs.
+  Alive then: the layers captured before it, the embeddings (the model's forward holds them to its
+  end), the layer's input (held by the model's loop) and the largest moment of the layer itself:
+  - attention: the normed input, q/k/v, k/v repeated to every query head (SDPA gets an explicit
+    mask, so GQA is expanded), the output and its contiguous transpose, the f32 log-sum-exp per
+    head; this also covers the RoPE moment (q, q*cos, rot(q)*sin, their sum);
+  - MLP: the residual after attention, the normed input, act(gate), up and their product;
+  - linear attention (Gated DeltaNet), as transformers' torch kernel runs it: projections in the
+    model dtype, q/k/v and the chunk matrices in f32 (fla's kernels need less; the fit on CUDA
+    measures what runs).
+  After the hook stops the forward: every captured layer and their concatenation.
+  Checked on the CPU against torch.profiler's memory events (SmolLM2 shapes, f32 and bf16): the
+  model is 3-5% above the measured peak for rows of 122-256 tokens and 15% at 1024, because the
+  float masks of the S^2 term live during attention, not at the MLP's peak, but are added to it.
   """
   c, e = text_config(config), dtype_bytes
   H, I = c.hidden_size, c.intermediate_size
@@ -108,21 +114,20 @@ def token_terms(config, *, layers_run: int, n_features: int, dtype_bytes: int) -
   Hkv = getattr(c, "num_key_value_heads", None) or Hq
   Dh = getattr(c, "head_dim", None) or H // Hq
   kinds = layer_kinds(c, layers_run)
-  layer = [e * (H + 3 * I)]                                        # MLP
+  moments = [e * (2 * H + 3 * I)]                                  # MLP
   if "attention" in kinds:
-    layer.append(e * (H + 5 * Hq * Dh + 2 * Hkv * Dh))
+    moments.append(e * (H + 5 * Hq * Dh + 2 * Hkv * Dh) + 4 * Hq)
   if "linear_attention" in kinds:
     Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
     Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
     Kd, Vd = Hk * Dk, Hv * Dv
-    layer.append(e * (H + 2 * (2 * Kd + Vd) + Vd)                  # qkv projection, conv, z
-                 + 4 * (6 * Hv * Dk + 4 * Hv * Dv + 3 * Hv * LINEAR_CHUNK))
+    moments.append(e * (H + 2 * (2 * Kd + Vd) + Vd)                # qkv projection, conv, z
+                   + 4 * (6 * Hv * Dk + 4 * Hv * Dv + 3 * Hv * LINEAR_CHUNK))
   return {
       "inputs": INPUT_BYTES,
       "rotary": 2 * Dh * e,                                        # cos and sin, whole forward
-      "captured": n_features * H * e,                              # hooked outputs, until the end
-      "layer_phase": e * H + max(layer),                           # residual + largest layer
-      "end_phase": n_features * H * e,                             # the concatenated features
+      "last_layer": e * (n_features - 1 + 2) * H + max(moments),
+      "end": 2 * n_features * H * e,
   }
 
 
@@ -141,13 +146,24 @@ def square_term(config, *, dtype_bytes: int, attn_implementation: str) -> int:
   return max(3, 1 + attention)
 
 
+def cpu_attention_buffers(config, *, dtype_bytes: int, threads: int) -> int:
+  """Scratch of PyTorch's flash attention on the CPU (what SDPA runs there), per forward: for each
+  thread an f32 tile of at most 256 queries x 512 keys, its max, sum and output rows, and for
+  bf16 a copy of the tile (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp). Grows with the
+  thread count, not the batch: on a 64-core machine it outweighs a tiny model's activations."""
+  c = text_config(config)
+  Dh = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+  q, kv = 256, 512
+  return threads * (4 * (q * kv + 2 * q + q * Dh) + (q * kv * dtype_bytes if dtype_bytes < 4 else 0))
+
+
 def analytic_model(config, *, layers_run: int, n_features: int, dtype_bytes: int,
                    attn_implementation: str, fixed_bytes: float) -> TargetMemoryModel:
   """The memory model from the config alone (the CPU's model, and the floor of a measured fit)."""
   if layers_run < 1 or n_features < 1:
     raise ValueError(f"{layers_run=} and {n_features=} must be >= 1")
   t = token_terms(config, layers_run=layers_run, n_features=n_features, dtype_bytes=dtype_bytes)
-  token = t["inputs"] + t["rotary"] + t["captured"] + max(t["layer_phase"], t["end_phase"])
+  token = t["inputs"] + t["rotary"] + max(t["last_layer"], t["end"])
   square = square_term(config, dtype_bytes=dtype_bytes, attn_implementation=attn_implementation)
   return TargetMemoryModel(fixed_bytes=fixed_bytes, token_bytes=token, square_bytes=square)
 
@@ -217,14 +233,14 @@ def cache_path(cache_dir: str, key: dict) -> str:
 
 
 def load_fit(path: str, key: dict, analytic: TargetMemoryModel) -> TargetMemoryModel | None:
+  """The cached fit under `key`, refitted from its probes (a changed analytic floor still
+  applies); None when there is none or the file is unreadable (then it is measured again)."""
   try:
     with open(path) as f:
       rec = json.load(f)
-  except (OSError, ValueError):
+    return fit_model(analytic, rec["probes"]) if rec.get("key") == key else None
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return None
-  if rec.get("key") != key:
-    return None
-  return fit_model(analytic, rec["probes"])  # refit: a changed analytic floor still applies
 
 
 def save_fit(path: str, key: dict, probes, model: TargetMemoryModel) -> None:
@@ -279,8 +295,7 @@ def plan_sub_batches(lengths, model: TargetMemoryModel, budget_bytes: float) -> 
 
 def _even_out(batches, lengths):
   """Runs of sub-batches padded to one length share their rows evenly: as many forwards, a lower
-  peak (67 rows that fit 30 at a time go 23+22+22, not 30+30+7). Sizes only shrink, so each
-  still fits."""
+  peak (67 rows that fit 30 at a time go 23+22+22, not 30+30+7); sizes only shrink."""
   out, k = [], 0
   while k < len(batches):
     j, pad = k, lengths[batches[k][0]]
@@ -326,7 +341,10 @@ class ForwardPlanner:
                               dtype_bytes=dtype.itemsize, attn_implementation=attn,
                               fixed_bytes=weight_bytes(t.model))
     if t.device.type != "cuda":
-      return analytic
+      if attn != "sdpa":
+        return analytic
+      return dataclasses.replace(analytic, overhead_bytes=cpu_attention_buffers(
+          config, dtype_bytes=dtype.itemsize, threads=torch.get_num_threads()))
     key = cache_key(t.name, config, dtype=str(dtype), device_name=torch.cuda.get_device_name(t.device),
                     attn_implementation=attn, layers_run=layers_run, n_features=n_features)
     path = cache_path(self.cache_dir, key) if self.cache_dir else None
