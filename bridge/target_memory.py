@@ -34,6 +34,10 @@ DEFAULT_FREE_FRACTION = 0.9
 SOURCES = ("analytic", "measured")
 
 
+def gib(n: float) -> str:
+  return f"{n / GIB:.3g} GiB"
+
+
 @dataclass(frozen=True)
 class TargetMemoryModel:
   """Peak bytes of one target forward over `rows` rows of `seq_len` tokens (see the module doc)."""
@@ -61,7 +65,7 @@ class TargetMemoryModel:
   def describe(self) -> str:
     return (f"{self.source}: {self.token_bytes / 1024:.1f} KiB/token + {self.square_bytes:.0f} "
             f"B/row/token^2 + {self.overhead_bytes / 2**20:.1f} MiB per forward, "
-            f"{self.fixed_bytes / GIB:.2f} GiB resident")
+            f"{gib(self.fixed_bytes)} resident")
 
 
 # ---- the analytic model: tensors alive at the peak, counted from the HF config ----
@@ -278,10 +282,10 @@ def plan_sub_batches(lengths, model: TargetMemoryModel, budget_bytes: float) -> 
   need = model.peak_bytes(1, longest)
   if need > budget_bytes:
     raise TargetError(
-        f"one row of {longest} tokens needs {need / GIB:.2f} GiB in the target forward "
-        f"({model.fixed_bytes / GIB:.2f} GiB resident + {model.activation_bytes(1, longest) / GIB:.2f}"
-        f" GiB of activations, {model.source} memory model), over the target memory budget of "
-        f"{budget_bytes / GIB:.2f} GiB: raise target.memory_budget_gib, shorten rows "
+        f"one row of {longest} tokens needs {gib(need)} in the target forward "
+        f"({gib(model.fixed_bytes)} resident + {gib(model.activation_bytes(1, longest))} of "
+        f"activations, {model.source} memory model), over the target memory budget of "
+        f"{gib(budget_bytes)}: raise target.memory_budget_gib, shorten rows "
         "(data.seq_len), or free device memory")
   order = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep index order
   batches: list[list[int]] = []
@@ -390,7 +394,7 @@ class ForwardPlanner:
     except TargetError as e:
       if cap < budget:
         raise TargetError(f"{e} (the budget is capped at what the device can give now: torch's "
-                          f"cached memory + 90% of the free memory = {cap / GIB:.2f} GiB)") from None
+                          f"cached memory + 90% of the free memory = {gib(cap)})") from None
       raise
 
   @torch.inference_mode()
@@ -404,8 +408,8 @@ class ForwardPlanner:
     if len(plan) > 1 and not self.logged:
       self.logged = True
       log.info("target forward of %d rows x %d tokens split into %d sub-batches of %s rows to stay "
-               "within the %.2f GiB target memory budget", len(ids), ids.shape[1], len(plan),
-               "+".join(str(len(b)) for b in plan), self.budget_bytes / GIB)
+               "within the %s target memory budget", len(ids), ids.shape[1], len(plan),
+               "+".join(str(len(b)) for b in plan), gib(self.budget_bytes))
     for rows in plan:
       f = self.target.features(ids[rows], pos[rows], doc[rows], layer_ids)
       if f.dtype != out.dtype:
