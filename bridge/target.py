@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from bridge.hybrid import HybridRows
+from bridge import target_memory
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +72,14 @@ def _decimal(x) -> float:
 
 
 class Target:
-  """A frozen HF causal LM with hooks on its decoder layers."""
+  """A frozen HF causal LM with hooks on its decoder layers.
 
-  def __init__(self, model, tokenizer, name: str):
+  memory_budget_bytes bounds what one call of `stacked_features` may hold on the target's device
+  (weights included): its rows run in sub-batches planned by `memory` (bridge/target_memory.py).
+  """
+
+  def __init__(self, model, tokenizer, name: str, *, memory_budget_bytes: float = math.inf,
+               memory_cache_dir: str | None = None):
     self.model = model.eval().requires_grad_(False)
     self.tokenizer = tokenizer
     self.name = name
@@ -93,6 +100,7 @@ class Target:
     # Recurrent (linear-attention) layers would carry state across packed documents: such a
     # target runs its rows through HybridRows (None for a plain attention target).
     self.hybrid = HybridRows.for_model(model, self.device, name)
+    self.memory = target_memory.ForwardPlanner(self, memory_budget_bytes, memory_cache_dir)
 
   @property
   def embedding(self) -> torch.Tensor:
@@ -155,10 +163,32 @@ class Target:
 
 
   def stacked_features(self, micros, layer_ids) -> torch.Tensor:
-    """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H]."""
-    feats = [self.features(m["input_ids"], m["position_ids"], m["doc_id"], layer_ids)
-             for m in micros]
-    return feats[0].unsqueeze(0) if len(feats) == 1 else torch.stack(feats)
+    """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H].
+
+    The A*B rows run in sub-batches that keep the forward within the memory budget; each writes
+    its rows straight into the one output tensor."""
+    rows = _flat_rows(micros)
+    A, (B, S) = len(micros), np.shape(micros[0]["input_ids"])
+    out = self.empty_features(A * B, S, layer_ids)
+    self.memory.features_into(out, np.arange(A * B), rows["input_ids"], rows["position_ids"],
+                              rows["doc_id"], layer_ids)
+    return out.view(A, B, S, -1)
+
+  def empty_features(self, rows: int, seq_len: int, layer_ids) -> torch.Tensor:
+    """A fresh [rows, seq_len, n*H] buffer for features, on the target's device in its dtype."""
+    return torch.empty(rows, seq_len, len(layer_ids) * self.info.hidden_size,
+                       dtype=self.embedding.dtype, device=self.device)
+
+
+_ROW_KEYS = ("input_ids", "position_ids", "doc_id")
+
+
+def _flat_rows(micros) -> dict[str, np.ndarray]:
+  """The rows of A micro-batches of [B, S] arrays as [A*B, S] host arrays (row a*B + b)."""
+  shapes = {np.shape(m[k]) for m in micros for k in _ROW_KEYS}
+  if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+    raise ValueError(f"micro-batches must all hold [B, S] arrays of one shape, got {sorted(shapes)}")
+  return {k: np.concatenate([np.asarray(m[k]) for m in micros]) for k in _ROW_KEYS}
 
 
 class FeatureCache:
@@ -182,27 +212,34 @@ class FeatureCache:
     return h.digest()
 
   def stacked_features(self, micros, layer_ids) -> torch.Tensor:
-    keys = [[self._key(m, b, layer_ids) for b in range(len(m["input_ids"]))] for m in micros]
-    todo = [(a, b) for a, ks in enumerate(keys) for b, k in enumerate(ks) if k not in self.rows]
-    fresh = {}
-    if todo:  # one target forward over every missing row of the step
-      sub = {k: np.stack([micros[a][k][b] for a, b in todo]) for k in ("input_ids", "position_ids",
-                                                                     "doc_id")}
-      feats = self.target.features(sub["input_ids"], sub["position_ids"], sub["doc_id"], layer_ids)
-      for (a, b), f in zip(todo, feats):
-        fresh[keys[a][b]] = f
-        if self.bytes + f.numel() * f.element_size() <= self.max_bytes:
-          self.rows[keys[a][b]] = f.clone()  # its own storage, not a view of the batch
-          self.bytes += f.numel() * f.element_size()
-        elif not self.full:
-          self.full = True
-          log.warning("target feature cache full at %.2f GiB: further rows are computed every "
-                      "step (raise target.feature_cache_gib)", self.bytes / 2**30)
-    self.misses += len(todo)
-    self.hits += sum(map(len, keys)) - len(todo)
+    rows = _flat_rows(micros)
+    A, (B, S) = len(micros), np.shape(micros[0]["input_ids"])
+    keys = [self._key(m, b, layer_ids) for m in micros for b in range(B)]   # row a*B + b
     # A fresh contiguous tensor every step: handed to JAX through DLPack, never written again.
-    return torch.stack([torch.stack([self.rows.get(k, fresh.get(k)) for k in ks])
-                        for ks in keys]).contiguous()
+    out = self.target.empty_features(A * B, S, layer_ids)
+    first = {}                                    # key -> its first row in this step
+    for i, k in enumerate(keys):
+      first.setdefault(k, i)
+    todo = [i for k, i in first.items() if k not in self.rows]
+    if todo:  # the target runs only the missing rows, in sub-batches within its memory budget
+      self.target.memory.features_into(out, todo, *(rows[k][todo] for k in _ROW_KEYS), layer_ids)
+    for i, k in enumerate(keys):
+      if k in self.rows:
+        out[i].copy_(self.rows[k])
+      elif first[k] != i:                         # a row seen twice in one step runs once
+        out[i].copy_(out[first[k]])
+    for i in todo:
+      f = out[i]
+      if self.bytes + f.numel() * f.element_size() <= self.max_bytes:
+        self.rows[keys[i]] = f.clone()  # its own storage, not a view of the batch
+        self.bytes += f.numel() * f.element_size()
+      elif not self.full:
+        self.full = True
+        log.warning("target feature cache full at %.2f GiB: further rows are computed every "
+                    "step (raise target.feature_cache_gib)", self.bytes / 2**30)
+    self.misses += len(todo)
+    self.hits += len(keys) - len(todo)
+    return out.view(A, B, S, -1)
 
 
 def eos_token_ids(model, tokenizer, *, required: bool = False) -> set[int]:
@@ -232,8 +269,17 @@ def _decoder_layers(model):
 
 
 def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
-                device: str = "auto", trust_remote_code: bool = False) -> Target:
-  """Load a frozen target. path=None: the default SmolLM2-135M-Instruct GGUF."""
+                device: str = "auto", trust_remote_code: bool = False,
+                memory_budget_gib: float | None = None,
+                memory_cache_dir: str | None = None) -> Target:
+  """Load a frozen target. path=None: the default SmolLM2-135M-Instruct GGUF.
+
+  memory_budget_gib: what a features call may hold on the device, weights included; None = 90% of
+  the device's free memory before the weights load (unlimited on the CPU). memory_cache_dir: where
+  the forward's measured memory model is cached (None: measured again in each process)."""
+  if memory_budget_gib is not None and not memory_budget_gib > 0:
+    raise TargetError(f"target.memory_budget_gib={memory_budget_gib} must be > 0 (null = 90% of "
+                      "the device's free memory)")
   from transformers import AutoModelForCausalLM, AutoTokenizer
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   if path is None:
@@ -252,12 +298,15 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
   tokenizer = AutoTokenizer.from_pretrained(path, **kw)
   model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kw)
   dev = resolve_device(device)
+  budget = (memory_budget_gib * 2**30 if memory_budget_gib is not None
+            else target_memory.default_budget(dev))
   model.to(dev)
   name = os.path.join(path, gguf_file) if gguf_file else path
   log.info("target %s: %d layers, hidden %d, vocab %d, on %s in %s", name,
            model.config.num_hidden_layers, model.config.hidden_size,
            model.get_input_embeddings().weight.shape[0], dev, dtype)
-  return Target(model, tokenizer, name)
+  return Target(model, tokenizer, name, memory_budget_bytes=budget,
+                memory_cache_dir=memory_cache_dir)
 
 
 def choose_mask_token_id(target: Target) -> int:

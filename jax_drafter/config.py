@@ -191,6 +191,9 @@ class TargetSection:
                                    # target's device) up to this size; for small data, many epochs
   devices: tuple[str, ...] | None = None  # one target replica per device ("cuda:0", "cuda:1");
                                           # None = one replica on `device`
+  memory_budget_gib: float | None = None  # what one target forward may hold on its device, weights
+                                          # included; rows run in sub-batches that fit. None = 90%
+                                          # of the device's free memory at load (CPU: unlimited)
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -205,6 +208,9 @@ class TargetSection:
       names = [_device_key(d, "target.devices") for d in self.devices]
       if len(set(names)) != len(names):
         raise ConfigError(f"target.devices lists a device twice: {list(self.devices)}")
+    if self.memory_budget_gib is not None and not 0 < self.memory_budget_gib < float("inf"):
+      raise ConfigError(f"target.memory_budget_gib={self.memory_budget_gib} must be a number > 0 "
+                        "(null = 90% of the device's free memory)")
 
 
 @dataclass(frozen=True)

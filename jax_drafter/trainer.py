@@ -93,7 +93,8 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
     manifest = feature_store.read_manifest(cfg.data.features)  # a wrong path fails before loading
     target = target_files.load_without_model(tc.path, **kw)
   else:
-    target = target_lib.load_target(tc.path, **kw)
+    target = target_lib.load_target(tc.path, **kw, memory_budget_gib=tc.memory_budget_gib,
+                                    memory_cache_dir=cfg.data.cache_dir)
   mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
              else target_lib.choose_mask_token_id(target))
   dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
@@ -136,7 +137,9 @@ def load_replicas(cfg: RunConfig) -> list:
   from bridge import target as target_lib
   tc = cfg.target
   return [target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=d,
-                                 trust_remote_code=tc.trust_remote_code)
+                                 trust_remote_code=tc.trust_remote_code,
+                                 memory_budget_gib=tc.memory_budget_gib,
+                                 memory_cache_dir=cfg.data.cache_dir)
           for d in (tc.devices or ())[1:]]
 
 
