@@ -99,3 +99,26 @@ def test_unknown_attention_is_an_error():
   with pytest.raises(ValueError, match="attention='cudnn'"):
     FastDrafterStep(CFG, compute_dtype=torch.float32, attention="cudnn", compiled=False,
                     gamma=7.0, ce_rows=16)
+
+
+def test_compiled_flex_layers_equal_eager_and_compile_once():
+  """The GPU path's graphs (flex_attention inside the compiled layer, a new BlockMask every step),
+  forward only: torch has no flex_attention backward on the CPU. New anchors at each step must
+  not recompile: the timed steps would time the compiler."""
+  from torch._dynamo.utils import counters
+  model, micro, frozen, a, v = _setup(seed=2)
+  params = {k: p.detach() for k, p in model.named_parameters()}
+  kw = dict(compute_dtype=torch.float32, gamma=7.0, ce_rows=16)
+  flex = FastDrafterStep(CFG, attention="flex", compiled=True, **kw)
+  eager = FastDrafterStep(CFG, attention="eager", compiled=False, **kw)
+  graphs = []
+  for i in range(2):
+    blocks = ref.build_blocks(torch.where(v, (a + i).clamp(max=S - 2), a), v, micro["input_ids"],
+                              micro["loss_mask"], micro["doc_id"], micro["position_ids"],
+                              block_size=CFG.block_size, mask_token_id=CFG.mask_token_id, gamma=7.0)
+    with torch.no_grad():
+      got = flex.hidden(params, micro, frozen["embed"], blocks)
+      want = eager.hidden(params, micro, frozen["embed"], blocks)
+    torch.testing.assert_close(got, want, **GRAD_TOL)
+    graphs.append(counters["stats"]["unique_graphs"])
+  assert graphs[1] == graphs[0]
