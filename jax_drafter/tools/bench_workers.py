@@ -138,7 +138,8 @@ def torch_inputs(plan: plans.Plan, *, steps: int, shift: int = 0):
       embed=own(frozen["embed"]), head=own(frozen["lm_head"]), anchors=pairs)
   # Free JAX's copies now (the platform allocator gives the memory back to the driver).
   for x in {id(x): x for x in jax.tree.leaves((state, batch, frozen, anchors))}.values():
-    x.delete()
+    if isinstance(x, jax.Array):
+      x.delete()
   return inputs
 
 

@@ -47,7 +47,7 @@ def test_tiny_case_runs_every_row_on_one_batch(tmp_path, capsys):
   assert base in ("pytorch-trainers", "pytorch-best") and set(r["ratios"]) == {"against", *others}
   for s in others:
     assert np.isclose(r["ratios"][s]["time"], r[s]["step_ms"] / r[base]["step_ms"])
-  assert "bench: PASS" in capsys.readouterr().out
+  assert "bench: PASS (2 first-step loss check(s)" in capsys.readouterr().out
 
 
 def test_shifted_anchors_fail_the_loss_check(capsys):
