@@ -108,7 +108,7 @@ def time_steps(row: str, cfg, t, inputs: TorchInputs, *, steps: int, ce_chunk: i
     if row == "pytorch-trainers":
       loss_fn = _trainers_loss(model, inputs, t, ce_chunk=ce_chunk, cd=cd)
       result.update(remat="CE chunks only", compiled="flex_attention only",
-                    ce_rows="all K offsets", logits="bfloat16 rounded")
+                    ce_rows="all K offsets", logits="bfloat16 rounded" if cuda else "float32")
     else:
       fast = FastDrafterStep(cfg, compute_dtype=cd, attention=attention, compiled=cuda,
                              gamma=t.loss_decay_gamma, ce_rows=ce_rows)
