@@ -1,12 +1,21 @@
-"""python -m jax_drafter.tools.bench: the full drafter training step, JAX vs the PyTorch path, same run.
+"""python -m jax_drafter.tools.bench: the full drafter training step, JAX vs PyTorch, same run.
 
-Each (case, side) runs in its own subprocess so peaks are clean and an out-of-memory on one side
-is reported, not fatal. The PyTorch side (bridge/twin/bench_torch.py) is the reference drafter with
-compiled flex_attention and checkpointed chunked CE, f32 master weights, bf16 autocast, fused
-AdamW: what SpecForge-style trainers run. Both sides use random weights and identical shapes
-(jax_drafter.tools.plans); a case is a run of jax_drafter.presets.
+Rows, each in a subprocess of its own (clean peaks; an out-of-memory is a result, not a crash):
+  jax               the jitted train step (jax_drafter.step: Pallas attention, fused CE);
+  pytorch-trainers  PyTorch as the existing DFlash trainers (SpecForge) run it: compiled
+                    flex_attention, the rest eager, checkpointed CE chunks (bridge/twin/bench_torch.py);
+  pytorch-best      what a strong PyTorch engineer writes: compiled layers, fused norms, masks once
+                    per step, the LM head on supervised rows with its gradient made in the forward
+                    (bridge/twin/fast_drafter.py).
+Every row trains on one batch and one set of initial weights (plans.random_inputs, drawn by JAX and
+handed to torch), on the anchors the JAX step samples, with the JAX optimizer (AdamW, schedule,
+clipping), f32 master weights and bf16 compute. The first-step loss of each PyTorch row must equal
+the JAX row's to LOSS_RTOL, else the bench fails (exit 1), as it does when a row errors. Ratios
+are against the fastest PyTorch row; memory is the peak, and the peak minus the fixed state
+(parameters, gradients, optimizer state, frozen weights) that every row holds whatever its
+activations, so that remat policies compare fairly. A case is a run of jax_drafter.presets.
 
-  python -m jax_drafter.tools.bench --case 27b-8k --case 8b-3k --json bench.json
+  python -m jax_drafter.tools.bench --case 27b-8k --devices 0,1 --json bench.json
 """
 
 from __future__ import annotations
@@ -14,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -50,24 +58,40 @@ def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
   parts["total"] = sum(parts.values())
   return parts
 
+ROWS = ("jax", "pytorch-trainers", "pytorch-best")
+
+# First-step loss agreement |loss_row - loss_jax| / |loss_jax|: every row must train on the JAX
+# row's batch, weights, anchors and objective. float32 (the CPU): only the summation order differs,
+# ~1e-7 after a few layers; 1e-5 is parity's float32 loss tolerance. bfloat16: parity measured
+# 3.0e-6 at 27b-8k (benchmarks/h200-2026-11-29-session2/parity-27b-bf16.log, 12.9244242 vs
+# 12.9243860); these rows add independent roundings (bf16 logits in trainers, bf16 RoPE tables in
+# best) that average out over ~1e4 supervised rows, so 1e-4 leaves a 30x margin. A different batch
+# (e.g. anchors shifted by one) moves the loss of the random-weight drafter by ~1.5e-3 relative at
+# 27b-8k (two independent means of ~1.1e4 effective rows' CE, per-row std ~1.4, over ~12.9): caught
+# about 19 times in 20 there; at the tiny CPU case it moved the loss by 2.3e-3, 230x the f32 tolerance.
+LOSS_RTOL = {"float32": 1e-5, "bfloat16": 1e-4}
+
 
 def _worker_cmd(side: str, case: str, args) -> list[str]:
   ce_chunk = args.ce_chunk or presets.RUNS[case].ce_chunk or CE_CHUNK
   cmd = [sys.executable, "-m", "jax_drafter.tools.bench", "--worker", "--side", side, "--case",
-         case, "--steps", str(args.steps), "--ce-chunk", str(ce_chunk)]
-  if side == "jax":   # --remat is the JAX drafter's; the PyTorch path checkpoints its CE chunks only
-    cmd += ["--remat", args.remat]
+         case, "--steps", str(args.steps), "--ce-chunk", str(ce_chunk), "--remat", args.remat]
   if side == "jax" and args.attention:
     cmd += ["--attention", args.attention]
   if side == "jax" and case in args.breakdown:
     cmd += ["--breakdown", case]
-  if side == "torch":
+  if side != "jax":
     cmd += ["--torch-attention", args.torch_attention]
+    if args.perturb_anchors:
+      cmd += ["--perturb-anchors"]
   return cmd
 
 
 def run_worker(side: str, case: str, args, device: str | None = None) -> dict:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+  if side != "jax":
+    # JAX only draws the PyTorch rows' inputs: its buffers go back to the driver when freed.
+    env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
   if device is not None:
     env["CUDA_VISIBLE_DEVICES"] = device
   t0 = time.time()
@@ -88,9 +112,8 @@ def run_all(jobs: list[tuple[str, str]], args) -> dict:
   """{(case, side): result}. With --devices, each GPU runs one job at a time, all GPUs at once."""
   def done(case, side, r):
     # One line per run as soon as it ends, so that a killed benchmark still leaves its results.
-    run = presets.RUNS[case]
-    f = model_flops(presets.get(run.arch), run.seq_len, run.anchors, run.batch)["total"]
-    print(f"[{time.strftime('%H:%M:%S')}] {case} {side}: {_fmt(r, f)}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {case} {side}: {_fmt(r, _flops(case)['total'])}",
+          flush=True)
     return r
 
   if not args.devices:
@@ -113,13 +136,99 @@ def run_all(jobs: list[tuple[str, str]], args) -> dict:
     return dict(zip(jobs, pool.map(one, jobs)))
 
 
+def _flops(case: str) -> dict:
+  run = presets.RUNS[case]
+  return model_flops(presets.get(run.arch), run.seq_len, run.anchors, run.batch)
+
+
+def _gib(x) -> str:
+  return f"{x:6.2f} GiB" if x else "   n/a    "
+
+
 def _fmt(r: dict, flops: float) -> str:
   if r.get("status") != "ok":
     return f"{r.get('status')}" + (f" ({r['failed_alloc']})" if r.get("failed_alloc") else "")
   ms = r["step_ms"]
   tf = flops / (ms / 1e3) / 1e12
-  return (f"compile {r['compile_s']:6.1f} s | step {ms:8.1f} ms | peak {r['peak_gib']:6.2f} GiB | "
-          f"{tf:6.1f} TFLOP/s ({100 * tf * 1e12 / H200_BF16_PEAK:4.1f}% of 989)")
+  return (f"compile {r['compile_s']:6.1f} s | step {ms:8.1f} ms | "
+          f"{tf:6.1f} TFLOP/s ({100 * tf * 1e12 / H200_BF16_PEAK:4.1f}%) | peak "
+          f"{_gib(r['peak_gib'])} | peak-fixed {_gib(r.get('peak_minus_fixed_gib'))} | "
+          f"first loss {r['first_loss']:.7f}")
+
+
+def loss_check(jax_r: dict, torch_r: dict) -> dict:
+  """The first-step losses of the JAX row and a PyTorch row, against LOSS_RTOL; the later steps'
+  largest relative difference is information only (the two optimizers' roundings drift apart)."""
+  dtype = "bfloat16" if "bfloat16" in (jax_r["compute_dtype"], torch_r["compute_dtype"]) else "float32"
+  rel = lambda a, b: abs(a - b) / max(abs(a), 1e-30)
+  r = rel(jax_r["first_loss"], torch_r["first_loss"])
+  later = [rel(a, b) for a, b in zip(jax_r["losses"][1:], torch_r["losses"][1:])]
+  return {"jax": jax_r["first_loss"], "torch": torch_r["first_loss"], "rel": r,
+          "tol": LOSS_RTOL[dtype], "dtype": dtype, "ok": bool(r <= LOSS_RTOL[dtype]),
+          "later_steps_max_rel": max(later) if later else None}
+
+
+def compare(res: dict) -> tuple[dict, dict]:
+  """(ratios of every row against the fastest PyTorch row, loss checks of the PyTorch rows)."""
+  ok = {s: r for s, r in res.items() if r.get("status") == "ok"}
+  torch_ok = [s for s in ok if s != "jax"]
+  ratios, checks = {}, {}
+  if torch_ok:
+    base = min(torch_ok, key=lambda s: ok[s]["step_ms"])
+    b = ok[base]
+    div = lambda k, r: r[k] / b[k] if r.get(k) and b.get(k) else None
+    ratios = {"against": base, **{s: {"time": div("step_ms", r), "peak": div("peak_gib", r),
+                                      "peak_minus_fixed": div("peak_minus_fixed_gib", r)}
+                                  for s, r in ok.items() if s != base}}
+  if "jax" in ok:
+    checks = {s: loss_check(ok["jax"], ok[s]) for s in torch_ok}
+  return ratios, checks
+
+
+def report_case(case: str, res: dict) -> tuple[dict, list[str]]:
+  """(the case's JSON record, lines to print) for the rows' results `res`."""
+  run = presets.RUNS[case]
+  shape = dict(arch=run.arch, seq_len=run.seq_len, anchors=run.anchors, batch=run.batch)
+  flops = _flops(case)
+  ratios, checks = compare(res)
+  rec = {"shape": shape, "model_tflop": flops["total"] / 1e12,
+         "flops_breakdown_tflop": {k: v / 1e12 for k, v in flops.items()}, **res,
+         "ratios": ratios, "loss_check": checks}
+  out = [f"\n== {case}: {shape} model work {flops['total'] / 1e12:.4g} TFLOP "
+         f"({', '.join(f'{k} {v / 1e12:.3g}' for k, v in flops.items() if k != 'total')})"]
+  for side, r in res.items():
+    out.append(f"  {side:17s} {_fmt(r, flops['total'])}")
+    if r.get("log"):
+      out.append("        " + r["log"].replace("\n", "\n        "))
+    if "lm_head_rows" in r:
+      out.append(f"  {'':17s} (LM head on {r['lm_head_rows']} rows, logits {r['logits']}, masks "
+                 f"{r['mask_build_ms']:.1f} ms of the step, {r['graphs_compiled']} graphs compiled, "
+                 f"{r['recompiles_timed']} while timed)")
+  if res.get("jax", {}).get("breakdown_ms"):
+    out.append(format_breakdown(res["jax"]["breakdown_ms"], res["jax"]["step_ms"]))
+  if ratios:
+    x = lambda v: f"{v:.3f}x" if v else "n/a"
+    out.append(f"  ratios against {ratios['against']} (the fastest PyTorch row): " + " | ".join(
+        f"{s} time {x(q['time'])}, peak {x(q['peak'])}, peak-fixed {x(q['peak_minus_fixed'])}"
+        for s, q in ratios.items() if s != "against"))
+  for s, c in checks.items():
+    later = c["later_steps_max_rel"]
+    out.append(f"  first-step loss {s} vs jax: {c['torch']:.7f} vs {c['jax']:.7f}, rel. difference "
+               f"{c['rel']:.2e} (tolerance {c['tol']:.0e}, {c['dtype']}) "
+               f"{'PASS' if c['ok'] else 'FAIL: not the same batch, weights or objective'}"
+               + (f"; later steps up to {later:.1e} (information)" if later is not None else ""))
+  return rec, out
+
+
+def failures(report: dict) -> list[str]:
+  """Why the bench fails: a loss check, or a row that neither ran nor ran out of memory."""
+  bad = []
+  for case, rec in report.items():
+    bad += [f"{case} {s}: first-step loss differs from jax by {c['rel']:.2e} > {c['tol']:.0e}"
+            for s, c in rec["loss_check"].items() if not c["ok"]]
+    bad += [f"{case} {s}: {rec[s]['status']}" for s in ROWS
+            if s in rec and rec[s].get("status") not in ("ok", "out of memory")]
+  return bad
 
 
 def main(argv=None) -> int:
@@ -130,52 +239,45 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=6, help="timed steps after one warm-up (median)")
   ap.add_argument("--ce-chunk", type=int, default=None,
                   help=f"default: the run's, else {CE_CHUNK}")
-  ap.add_argument("--remat", default="none", choices=("none", "layer", "full", "offload"))
+  ap.add_argument("--remat", default="none", choices=("none", "layer", "full", "offload"),
+                  help="the JAX row's remat policy")
   ap.add_argument("--attention", default=None, help="JAX attention implementation (default: best)")
-  ap.add_argument("--torch-attention", default="flex", choices=("flex", "sdpa", "eager"))
-  ap.add_argument("--side", action="append", choices=("jax", "torch"), help="default: both")
-  ap.add_argument("--timeout", type=int, default=900)
+  ap.add_argument("--torch-attention", default="auto", choices=("auto", "flex", "sdpa", "eager"),
+                  help="the PyTorch rows' attention; auto: flex on a GPU, eager on the CPU "
+                  "(flex_attention has no backward there)")
+  ap.add_argument("--side", action="append", choices=ROWS, help="repeatable; default: every row")
+  ap.add_argument("--timeout", type=int, default=900, help="seconds per (case, row) worker")
   ap.add_argument("--json", default=None)
   ap.add_argument("--breakdown", action="append", default=[], choices=sorted(presets.RUNS),
                   metavar="CASE", help="for this case (repeatable), also time each part of the "
                   "JAX step on its own (jax_drafter.tools.breakdown)")
   ap.add_argument("--devices", default=None,
-                  help="comma list of GPU indices: the (case, side) runs are spread over them and "
+                  help="comma list of GPU indices: the (case, row) runs are spread over them and "
                   "run at once, one per GPU (default: one after another on the visible GPUs)")
+  ap.add_argument("--perturb-anchors", action="store_true",
+                  help="self-check of the loss check: the PyTorch rows train on the JAX anchors "
+                  "shifted by one token, and the bench must FAIL")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
-    return _jax_worker(args) if args.side == ["jax"] else _torch_worker(args)
+    from jax_drafter.tools import bench_workers
+    return (bench_workers.jax_worker if args.side == ["jax"] else bench_workers.torch_worker)(args)
   cases = args.case or ["27b-8k"]
-  sides = args.side or ["jax", "torch"]
+  sides = [s for s in ROWS if s in (args.side or ROWS)]
   results = run_all([(case, side) for case in cases for side in sides], args)
-  report = {}
+  report, lines = {}, []
   for case in cases:
-    run = presets.RUNS[case]
-    c = dict(arch=run.arch, seq_len=run.seq_len, anchors=run.anchors, batch=run.batch)
-    flops = model_flops(presets.get(run.arch), run.seq_len, run.anchors, run.batch)
-    res = {side: results[case, side] for side in sides}
-    report[case] = {"shape": c, "model_tflop": flops["total"] / 1e12,
-                    "flops_breakdown_tflop": {k: v / 1e12 for k, v in flops.items()}, **res}
-    print(f"\n== {case}: {c} model work {flops['total'] / 1e12:.4g} TFLOP "
-          f"({', '.join(f'{k} {v / 1e12:.3g}' for k, v in flops.items() if k != 'total')})")
-    for side in sides:
-      print(f"  {side:5s} {_fmt(res[side], flops['total'])}")
-      if res[side].get("log"):
-        print("        " + res[side]["log"].replace("\n", "\n        "))
-    if res.get("jax", {}).get("breakdown_ms"):
-      print(format_breakdown(res["jax"]["breakdown_ms"], res["jax"]["step_ms"]))
-    if all(res.get(s, {}).get("status") == "ok" for s in ("jax", "torch")):
-      j, t = res["jax"], res["torch"]
-      ratio = dict(time=j["step_ms"] / t["step_ms"],
-                   memory=j["peak_gib"] / t["peak_gib"] if t["peak_gib"] else None)
-      report[case]["jax_over_torch"] = ratio
-      mem = f"{ratio['memory']:.3f}x" if ratio["memory"] else "n/a (no device memory stats)"
-      print(f"  JAX/PyTorch: time {ratio['time']:.3f}x, peak memory {mem}")
+    report[case], case_lines = report_case(case, {side: results[case, side] for side in sides})
+    lines += case_lines
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=2)
-  return 0
+  print("\n".join(lines))
+  bad = failures(report)
+  checked = sum(len(rec["loss_check"]) for rec in report.values())
+  print("\nbench: " + ("FAIL\n  " + "\n  ".join(bad) if bad else
+                       f"PASS ({checked} first-step loss check(s) against the JAX row, no row errored)"))
+  return 1 if bad else 0
 
 
 def format_breakdown(parts_ms: dict, step_ms: float) -> str:
@@ -185,76 +287,6 @@ def format_breakdown(parts_ms: dict, step_ms: float) -> str:
   rest = step_ms - sum(parts_ms.values())
   lines.append(f"    {'rest (step - parts)':28s} {rest:8.1f} ms  {100 * rest / step_ms:5.1f}%")
   return "\n".join(lines)
-
-
-# ---- the workers (each runs in its own process) ----
-
-def _failed_alloc(msg: str) -> str | None:
-  import re
-  m = re.search(r"(?:allocate|allocating)\D{0,20}([\d.]+\s*[KMGT]i?B|\d+ bytes)", msg)
-  return m.group(1) if m else None
-
-
-def _jax_worker(args) -> int:
-  import jax
-  from jax_drafter import step as step_lib
-  from jax_drafter.config import TrainSection
-
-  r = presets.RUNS[args.case[0]]
-  cfg = presets.get(r.arch)
-  S, N, B = r.seq_len, r.anchors, r.batch
-  on_cpu = jax.default_backend() == "cpu"
-  t = TrainSection(steps=1000, num_anchors=N, ce_chunk_size=args.ce_chunk, remat=args.remat,
-                   compute_dtype="float32" if on_cpu else "bfloat16", attention=args.attention)
-  result = {"status": "ok", "backend": jax.default_backend(), "device": str(jax.devices()[0])}
-  try:
-    # The same random state/batch/frozen weights the memory tool measures with.
-    plan = plans.Plan(cfg, t, B, S, feature_dtype="float32" if on_cpu else "bfloat16",
-                      attn_impl={"implementation": args.attention} if args.attention else None,
-                      name=args.case[0])
-    graphdef, state, batch, frozen = plans.random_inputs(plan)
-    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, cfg, t,
-                                                          step_lib.make_optimizer(t),
-                                                          plan.attn_impl))
-    t0 = time.perf_counter()
-    state, m = fn(state, batch, frozen)
-    jax.block_until_ready(m)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(args.steps):
-      t0 = time.perf_counter()
-      state, m = fn(state, batch, frozen)
-      jax.block_until_ready(m)
-      times.append(time.perf_counter() - t0)
-    stats = jax.devices()[0].memory_stats() or {}
-    med = statistics.median(times)
-    result.update(step_ms=med * 1e3, steps_ms=[x * 1e3 for x in times],
-                  compile_s=first - med, loss=float(m["loss"]),
-                  peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
-    if args.breakdown:
-      from jax_drafter.tools import breakdown
-      parts = breakdown.step_breakdown(graphdef, state, batch, frozen, cfg=cfg, t=t,
-                                       attn_impl=plan.attn_impl, reps=max(args.steps, 1))
-      result["breakdown_ms"] = {k: v * 1e3 for k, v in parts.items()}
-  except Exception as e:  # noqa: BLE001 - an OOM must be a result, not a crash
-    msg = str(e)
-    oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
-    result = {"status": "out of memory" if oom else f"error: {type(e).__name__}: {msg[:300]}",
-              "failed_alloc": _failed_alloc(msg) if oom else None}
-  print("RESULT " + json.dumps(result), flush=True)
-  return 0
-
-
-def _torch_worker(args) -> int:
-  from bridge.twin import bench_torch
-  r = presets.RUNS[args.case[0]]
-  cfg = presets.get(r.arch)
-  result = bench_torch.time_steps(
-      cfg, lambda dev, cd: plans.random_torch_inputs(cfg, r.batch, r.seq_len, dev, cd),
-      lambda i: plans.sample_anchors(r.seq_len, r.anchors, r.batch, seed=i),
-      steps=args.steps, ce_chunk=args.ce_chunk, attention=args.torch_attention)
-  print("RESULT " + json.dumps(result), flush=True)
-  return 0
 
 
 if __name__ == "__main__":
