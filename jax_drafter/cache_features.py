@@ -36,9 +36,9 @@ def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = Fa
   from bridge.feature_store import Writer
   import numpy as np
   from jax_drafter import data as data_lib
-  from jax_drafter import trainer
+  from jax_drafter import inputs
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
-  target, dcfg, ds = trainer.setup(cfg, progress=progress)
+  target, dcfg, ds = inputs.setup(cfg, progress=progress)
   layer_ids = dcfg.target_layer_ids
   F = len(layer_ids) * target.info.hidden_size
   rows = ds.rows if ds.val_rows is None else {   # validation rows need their features too

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   from bridge.regenerate import RegenerationError
   from bridge.target import TargetError
   from jax_drafter import data as data_lib
-  from jax_drafter import trainer
+  from jax_drafter import inputs
   from jax_drafter.config import ConfigError, load_config
   from jax_drafter.train import DEFAULT_CONFIG
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   try:
     shard = _shard(args.shard) if args.shard else None  # before anything heavy loads
     cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
-    trainer.check_inputs(cfg)
+    inputs.check_inputs(cfg)
     from bridge.target import load_target
     tc = cfg.target
     target = load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=tc.device,
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if shard:
       train = train[shard[0]::shard[1]]
     stats: dict = {}
-    fn, _ = trainer.regeneration(cfg, target, progress=not args.quiet, stats=stats,
+    fn, _ = inputs.regeneration(cfg, target, progress=not args.quiet, stats=stats,
                                  cuda_graph=False if args.no_cuda_graph else None)
     records = fn(train)
   except (ConfigError, data_lib.DataError, TargetError, RegenerationError, ValueError) as e:

@@ -1,8 +1,9 @@
-"""The training loop: feeds batches, logs, checkpoints. All step logic lives in step.py.
+"""The training loop: feeds batches, logs, checkpoints. All step logic lives in step.py; what a
+run trains on (target, drafter config, rows) comes from inputs.py, its feeding from pipeline.py.
 
-Order of work per iteration: host batch -> target forward (torch) -> DLPack handoff -> dispatch
-step t -> read step t-1's metrics (this overlaps the target forward of step t with the drafter
-step t-1 on the device) -> log -> checkpoint.
+Order of work per iteration: the next step's features (made ahead on the producer thread: host
+batch -> target forward (torch) -> DLPack handoff) -> dispatch step t -> read step t-1's metrics
+-> log -> checkpoint / validation / evaluation.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import numpy as np
 
 from jax_drafter import checkpoint as ckpt
 from jax_drafter import data as data_lib
+from jax_drafter import inputs
 from jax_drafter import pipeline
 from jax_drafter import step as step_lib
-from jax_drafter.config import ConfigError, DrafterConfig, RunConfig, resolve_drafter
+from jax_drafter.config import DrafterConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,103 +46,6 @@ class Progress:
 
 def _attn_impl(t) -> dict:
   return {"implementation": t.attention} if t.attention else {}
-
-
-def check_inputs(cfg: RunConfig) -> None:
-  """Cheap checks of the files a run needs, before anything heavy loads (a bad data path must
-  not wait for the target)."""
-  data_lib.check_data_path(cfg.data.path)
-  if cfg.train.val_every and not cfg.data.validation:
-    raise ConfigError(f"train.val_every={cfg.train.val_every} needs validation conversations: set "
-                      "data.validation (e.g. 32)")
-
-
-def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
-                 cuda_graph: bool | None = None, fingerprint: str | None = None):
-  """-> (fn, key) that regenerate the training conversations with `target` as configured.
-  fingerprint: the target's model is not loaded (training from a feature cache); the answers
-  are read from the regeneration cache that this target (of this fingerprint) wrote."""
-  from bridge import regenerate as regen_lib
-  d = cfg.data
-  settings = regen_lib.Settings(
-      max_new_tokens=d.regenerate_max_new_tokens, temperature=d.regenerate_temperature,
-      seed=d.seed, max_prompt_tokens=min(d.seq_len, target.info.max_position_embeddings
-                                         - d.regenerate_max_new_tokens),
-      max_turns=d.regenerate_max_turns)
-  if fingerprint is not None:
-    return regen_lib.cached_regenerator(target.tokenizer, settings, fingerprint,
-                                        d.regenerate_path(cfg.train.output_dir))
-  return regen_lib.make_regenerator(
-      target.model, target.tokenizer, settings, cache_path=d.regenerate_path(cfg.train.output_dir),
-      batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
-      progress=progress, stats=stats, cuda_graph=cuda_graph)
-
-
-def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: bool = False):
-  """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it.
-
-  With data.features the target runs no forward: it is read from its files without building the
-  model where they allow (bridge.target_files), and the feature cache must have been made with
-  this run's target, layers and data settings."""
-  from bridge import target as target_lib
-  check_inputs(cfg)
-  tc = cfg.target
-  kw = dict(gguf_file=tc.gguf_file, dtype=tc.dtype, trust_remote_code=tc.trust_remote_code,
-            device=tc.devices[0] if tc.devices else tc.device)
-  manifest = None
-  if cfg.data.features:
-    from bridge import feature_store, target_files
-    manifest = feature_store.read_manifest(cfg.data.features)  # a wrong path fails before loading
-    target = target_files.load_without_model(tc.path, **kw)
-  else:
-    target = target_lib.load_target(tc.path, **kw, memory_budget_gib=tc.memory_budget_gib,
-                                    memory_cache_dir=cfg.data.cache_dir)
-  mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
-             else target_lib.choose_mask_token_id(target))
-  dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
-  target.check_layer_ids(dcfg.target_layer_ids)
-  target_lib.check_mask_token_id(target, dcfg.mask_token_id)
-  if manifest is not None:
-    settings = data_lib.feature_cache_settings(cfg, dcfg.target_layer_ids)
-    feature_store.check_settings(manifest, settings, cfg.data.features)
-  regen, regen_key = None, ""
-  if cfg.data.regenerate:
-    # DFlash trains on the target's own outputs: the target rewrites the assistant turns first,
-    # cached on disk and keyed by the target's fingerprint and the generation settings.
-    no_model = not hasattr(target, "model")   # features from disk: answers from the cache only
-    regen, regen_key = regeneration(
-        cfg, target, stats=regenerate_stats, progress=progress,
-        fingerprint=manifest["regenerate_fingerprint"] if no_model else None)
-  ds = data_lib.build_dataset(
-      target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
-      held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
-      regenerate=regen, regenerate_key=regen_key, validation=cfg.data.validation)
-  return target, dcfg, ds
-
-
-def setup_in_order(cfg: RunConfig, *, progress: bool = False):
-  """setup(), with several processes: process 0 first (it writes the regeneration and data
-  caches), then the others, which find them written."""
-  if jax.process_count() == 1:
-    return setup(cfg, progress=progress)
-  from jax.experimental import multihost_utils
-  if jax.process_index() == 0:
-    out = setup(cfg, progress=progress)
-    multihost_utils.sync_global_devices("dflash: caches written")
-    return out
-  multihost_utils.sync_global_devices("dflash: caches written")
-  return setup(cfg, progress=False)
-
-
-def load_replicas(cfg: RunConfig) -> list:
-  """The target replicas beyond the first one (target.devices[1:]), each loaded on its device."""
-  from bridge import target as target_lib
-  tc = cfg.target
-  return [target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=d,
-                                 trust_remote_code=tc.trust_remote_code,
-                                 memory_budget_gib=tc.memory_budget_gib,
-                                 memory_cache_dir=cfg.data.cache_dir)
-          for d in (tc.devices or ())[1:]]
 
 
 def local(tree):
@@ -229,7 +134,7 @@ class _Run:
     out = self.out = t.output_dir
     os.makedirs(out, exist_ok=True)
     self.main = jax.process_index() == 0    # with several processes, process 0 writes the files
-    self.target, self.dcfg, self.ds = setup_in_order(cfg, progress=show_progress and self.main)
+    self.target, self.dcfg, self.ds = inputs.setup_in_order(cfg, progress=show_progress and self.main)
     dcfg = self.dcfg
     log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
     A, B = t.grad_accum, cfg.data.batch_size
@@ -263,7 +168,7 @@ class _Run:
       self.sources = open_stores(cfg.data.features, self.ds.rows, tc.devices or (tc.device,),
                                  dtype=tc.dtype)
     else:
-      self.replicas = [self.target] + load_replicas(cfg)
+      self.replicas = [self.target] + inputs.load_replicas(cfg)
       if gib > 0:
         from bridge.target import FeatureCache
         self.sources = [FeatureCache(r, gib * 2**30) for r in self.replicas]

@@ -148,7 +148,7 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
   from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff, import_frozen
   from bridge.twin.weights import load_flat_into
-  from jax_drafter import step, trainer
+  from jax_drafter import inputs, step
   from jax_drafter.params import to_flat
 
   _T0[0] = time.time()
@@ -160,7 +160,7 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
   if torch_attention == "flex" and device == "cpu":
     raise ValueError("torch's flex_attention has no backward on CPU; use --torch-attention "
                      "eager|sdpa on CPU, flex with --device gpu")
-  target, dcfg, ds = trainer.setup(cfg)
+  target, dcfg, ds = inputs.setup(cfg)
   _progress(f"target, drafter config and {len(ds.rows['input_ids'])} packed rows ready")
   tcd = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
   optimizer = step.make_optimizer(t)

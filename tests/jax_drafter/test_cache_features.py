@@ -11,7 +11,7 @@ import yaml
 
 from bridge import feature_store, target_files
 from bridge import target as target_lib
-from jax_drafter import cache_features, trainer
+from jax_drafter import cache_features, inputs, trainer
 
 from tiny_fixtures import run_losses, tiny_run_config
 
@@ -105,7 +105,7 @@ def test_an_interrupted_cache_resumes_to_the_same_bytes(tiny_target_dir, sharegp
 def test_a_cache_made_with_other_settings_is_refused(tiny_target_dir, sharegpt_sample, cache,
                                                      tmp_path):
   def setup(*extra, target=tiny_target_dir):
-    trainer.setup(tiny_run_config(target, sharegpt_sample, tmp_path / "run", *BF16,
+    inputs.setup(tiny_run_config(target, sharegpt_sample, tmp_path / "run", *BF16,
                                   f"data.features={cache}", *extra))
 
   with pytest.raises(feature_store.CacheError, match="seq_len=96, this run has data.seq_len=80"):
@@ -125,7 +125,7 @@ def test_a_cache_made_with_other_settings_is_refused(tiny_target_dir, sharegpt_s
   with pytest.raises(feature_store.CacheError, match="made with another target"):
     setup(target=str(other))
   with pytest.raises(feature_store.CacheError, match="holds no feature cache"):
-    trainer.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, tmp_path / "run",
+    inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, tmp_path / "run",
                                   f"data.features={tmp_path}"))
 
 
@@ -156,7 +156,7 @@ def test_regenerated_answers_train_from_the_cache_without_the_model(
   shutil.rmtree(tmp_path / "data")
   from bridge.regenerate import RegenerationError
   with pytest.raises(RegenerationError, match="not in the regeneration cache"):
-    trainer.setup(trained)
+    inputs.setup(trained)
 
 
 def test_an_empty_features_path_is_a_config_error():

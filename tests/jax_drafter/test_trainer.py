@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bridge import spec_decode
-from jax_drafter import trainer
+from jax_drafter import inputs, trainer
 
 from tiny_fixtures import run_losses, tiny_run_config
 
@@ -139,13 +139,13 @@ def test_every_layout_trains_like_one_device(tiny_target_dir, sharegpt_sample, t
       "sys.path.insert(0, 'tests')\n"
       "from tiny_fixtures import tiny_run_config\n"
       "from bridge.target import Target\n"
-      "from jax_drafter import trainer\n"
+      "from jax_drafter import inputs, trainer\n"
       "import jax\n"
       "assert len(jax.local_devices()) == 2\n"
       "for name, (extra, replica) in json.loads(sys.argv[3]).items():\n"
       "  if replica:\n"
-      "    trainer.load_replicas = lambda cfg: [Target(copy.deepcopy(t.model), t.tokenizer, t.name)"
-      " for t in [trainer.setup(cfg)[0]]]\n"
+      "    inputs.load_replicas = lambda cfg: [Target(copy.deepcopy(t.model), t.tokenizer, t.name)"
+      " for t in [inputs.setup(cfg)[0]]]\n"
       "  trainer.pipeline.MIN_SHARDED_SIZE = 1  # the tiny drafter's arrays are all small\n"
       "  s = trainer.train(tiny_run_config(sys.argv[1], sys.argv[2], sys.argv[4] + '/' + name,"
       " 'train.steps=3', *extra))\n"
@@ -221,11 +221,11 @@ def test_validation_rows_are_never_trained_on_and_give_the_same_curve_on_resume(
   with open(os.path.join(a, "metrics.jsonl")) as f:
     assert [r["step"] for r in map(json.loads, f) if "val_loss" in r] == [2, 4]
   # the validation conversations are not among the training rows
-  _, _, ds = trainer.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, a, *extra))
+  _, _, ds = inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, a, *extra))
   train_rows = {r.tobytes() for r in ds.rows["input_ids"]}
   assert ds.val_rows is not None and not any(r.tobytes() in train_rows
                                              for r in ds.val_rows["input_ids"])
-  _, _, plain = trainer.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, a))
+  _, _, plain = inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, a))
   assert len(plain.rows["input_ids"]) > len(ds.rows["input_ids"])
 
 
