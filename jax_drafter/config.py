@@ -304,6 +304,8 @@ class TrainSection:
   eval_max_new_tokens: int = 64
   val_every: int = 0                # > 0 (with data.validation): validation loss, accuracy and tau
                                     # estimate every this many steps and at the end
+  keep_best: bool = True            # with validation: export the drafter of the best validation
+                                    # tau estimate so far to <output_dir>/best (z-lab format)
   tensorboard: bool = True
   devices: tuple[str, ...] | None = None  # drafter devices, data parallel ("cuda:2", "cuda:3");
                                           # None = every device JAX sees

@@ -67,6 +67,13 @@ def _host_value(x) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
+def _read_json(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 def _jsonl(record: dict) -> str:
   """One metrics line: non-finite numbers become null (NaN is not JSON; readers would choke)."""
   clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -189,6 +196,7 @@ class _Run:
     self.history: list[dict] = []
     self.references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
     self.eval_sums = None       # the jitted validation forward, built at the first validation
+    self.best_score = None      # best validation tau estimate of the run (read at first use)
 
   @property
   def step(self) -> int:
@@ -245,7 +253,33 @@ class _Run:
       for k in ("val_loss", "val_accuracy", "val_tau_estimate"):
         self.writer.add_scalar(f"val/{k[4:]}", rec[k], step)
     self.summary.setdefault("validations", []).append(rec)
+    if self.t.keep_best:
+      self._keep_if_best(rec)
     return rec
+
+  def _keep_if_best(self, rec: dict) -> None:
+    """Export the drafter to <output_dir>/best when its validation tau estimate is the best so
+    far (the record survives a resume in best/validation.json): past the point where more epochs
+    stop helping, the best drafter is not the last one."""
+    from jax_drafter.export import write_zlab
+    path = os.path.join(self.out, "best")
+    if self.best_score is None:         # first validation of this invocation: a resumed run's best
+      prev = _read_json(os.path.join(path, "validation.json")) if self.main else None
+      score = -math.inf if prev is None else prev["val_tau_estimate"]
+      if jax.process_count() > 1:       # every process decides alike (the gather below is collective)
+        from jax.experimental import multihost_utils
+        score = float(multihost_utils.broadcast_one_to_all(np.float32(score)))
+      self.best_score = score
+    if rec["val_tau_estimate"] <= self.best_score:
+      return
+    self.best_score = rec["val_tau_estimate"]
+    params = local(self.state.params)
+    if self.main:
+      write_zlab(path, self.dcfg, params)
+      ckpt.save_json(os.path.join(path, "validation.json"), rec)
+      log.info("step %d: best validation tau estimate so far (%.3f): drafter exported to %s",
+               rec["step"], rec["val_tau_estimate"], path)
+    self.summary["best"] = rec
 
   def feeder(self, count: int) -> pipeline.Prefetcher:
     """Target features for the next `count` steps, made ahead on a producer thread."""

@@ -235,3 +235,24 @@ def test_val_every_without_validation_conversations_is_refused(tiny_target_dir, 
   with pytest.raises(ConfigError, match="set data.validation"):
     trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "x"),
                                   "train.val_every=2"))
+
+
+def test_the_best_validation_drafter_is_exported_and_survives_a_resume(tiny_target_dir,
+                                                                       sharegpt_sample, tmp_path):
+  from jax_drafter.export import read_zlab
+  out = str(tmp_path / "best")
+  extra = ("data.validation=6", "train.val_every=1", "train.steps=4")
+  first = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, *extra), stop_after=2)
+  vals = first["validations"]
+  best = max(vals, key=lambda v: v["val_tau_estimate"])
+  with open(os.path.join(out, "best", "validation.json")) as f:
+    kept = json.load(f)
+  assert kept["val_tau_estimate"] == best["val_tau_estimate"]
+  assert kept["step"] == min(v["step"] for v in vals if v["val_tau_estimate"] == best["val_tau_estimate"])
+  cfg, _, params = read_zlab(os.path.join(out, "best"))
+  assert cfg.block_size == 4 and params is not None
+  done = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, *extra))
+  allv = vals + done["validations"]
+  with open(os.path.join(out, "best", "validation.json")) as f:
+    kept = json.load(f)
+  assert kept["val_tau_estimate"] == max(v["val_tau_estimate"] for v in allv)
