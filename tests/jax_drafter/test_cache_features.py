@@ -164,3 +164,16 @@ def test_an_empty_features_path_is_a_config_error():
   with pytest.raises(ConfigError, match="data.features is empty"):
     load_config(None, ["data.features=''"])
   assert load_config(None, ["data.features=/x"]).data.features == "/x"
+
+
+def test_validation_rows_are_cached_and_validate_like_online(tiny_target_dir, sharegpt_sample,
+                                                            tmp_path):
+  val = ("data.validation=6", "train.val_every=2")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, tmp_path / "run", *BF16, *val)
+  assert cli(cfg, tmp_path / "features", tmp=str(tmp_path)) == 0
+  online = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "on"),
+                                         *BF16, *val))
+  cached = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "off"),
+                                         *BF16, *val, f"data.features={tmp_path / 'features'}"))
+  assert [v["step"] for v in cached["validations"]] == [2, 3]
+  assert cached["validations"] == online["validations"]
