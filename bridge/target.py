@@ -7,6 +7,7 @@ No network access at run time, `trust_remote_code` only when the user sets it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -71,6 +72,26 @@ def _decimal(x) -> float:
   return float(str(np.float32(x))) if float(np.float32(x)) == x else x
 
 
+def _text_config(config):
+  """Multimodal configs keep the decoder's dimensions in `text_config`."""
+  return config if hasattr(config, "num_hidden_layers") else getattr(config, "text_config", config)
+
+
+def info_from_config(config, *, vocab_size: int, tokenizer_size: int, name: str) -> TargetInfo:
+  """TargetInfo from a HF config (a loaded `Target` and `target_files.TargetFiles` both use it)."""
+  c = _text_config(config)
+  rope = getattr(c, "rope_parameters", None) or {}
+  return TargetInfo(
+      num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, vocab_size=vocab_size,
+      tokenizer_size=tokenizer_size, num_attention_heads=c.num_attention_heads,
+      num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+      head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+      intermediate_size=c.intermediate_size,
+      rope_theta=_decimal(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+      rms_norm_eps=_decimal(getattr(c, "rms_norm_eps", 1e-6)),
+      max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
+
+
 class Target:
   """A frozen HF causal LM with hooks on its decoder layers.
 
@@ -85,18 +106,10 @@ class Target:
     self.name = name
     self.layers = _decoder_layers(model)
     self.device = next(model.parameters()).device
-    c = model.config
-    rope = getattr(c, "rope_parameters", None) or {}
-    self.info = TargetInfo(
-        num_layers=len(self.layers), hidden_size=c.hidden_size,
-        vocab_size=model.get_input_embeddings().weight.shape[0], tokenizer_size=len(tokenizer),
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size,
-        rope_theta=_decimal(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-        rms_norm_eps=_decimal(getattr(c, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
+    self.info = dataclasses.replace(
+        info_from_config(model.config, vocab_size=model.get_input_embeddings().weight.shape[0],
+                         tokenizer_size=len(tokenizer), name=name),
+        num_layers=len(self.layers))
     # Recurrent (linear-attention) layers would carry state across packed documents: such a
     # target runs its rows through HybridRows (None for a plain attention target).
     self.hybrid = HybridRows.for_model(model, self.device, name)
@@ -202,6 +215,10 @@ class FeatureCache:
     self.target, self.max_bytes = target, max_bytes
     self.rows: dict[bytes, torch.Tensor] = {}
     self.bytes, self.hits, self.misses, self.full = 0, 0, 0, False
+
+  @property
+  def device(self) -> torch.device:
+    return self.target.device
 
   @staticmethod
   def _key(m: dict, b: int, layer_ids) -> bytes:

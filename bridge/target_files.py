@@ -20,7 +20,8 @@ import os
 
 import torch
 
-from bridge.target import Target, TargetError, TargetInfo, _decimal, load_target, resolve_device
+from bridge.target import (Target, TargetError, _text_config, info_from_config, load_target,
+                           resolve_device)
 
 log = logging.getLogger(__name__)
 
@@ -109,26 +110,6 @@ def _pick(names, suffix: str) -> str | None:
   found = sorted((n for n in names if n.endswith(suffix)), key=len)
   lm = [n for n in found if "language_model" in n]
   return (lm or found or [None])[0]
-
-
-def _text_config(config):
-  """Multimodal configs keep the decoder's dimensions in `text_config`."""
-  return config if hasattr(config, "num_hidden_layers") else getattr(config, "text_config", config)
-
-
-def info_from_config(config, *, vocab_size: int, tokenizer_size: int, name: str) -> TargetInfo:
-  """TargetInfo as `Target` derives it from the loaded model, here from the config alone."""
-  c = _text_config(config)
-  rope = getattr(c, "rope_parameters", None) or {}
-  return TargetInfo(
-      num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, vocab_size=vocab_size,
-      tokenizer_size=tokenizer_size, num_attention_heads=c.num_attention_heads,
-      num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-      head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-      intermediate_size=c.intermediate_size,
-      rope_theta=_decimal(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-      rms_norm_eps=_decimal(getattr(c, "rms_norm_eps", 1e-6)),
-      max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
 
 
 class TargetFiles:
