@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 
 from jax_drafter.config import DrafterConfig
 from jax_drafter.params import from_flat, to_flat
+from jax_drafter.pipeline import whole
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +37,6 @@ def _flat_state(state) -> dict[str, Any]:
   return out
 
 
-def _here(x) -> np.ndarray:
-  """A state array as a whole host array: this process's copy of a replicated one (one device, a
-  mesh, or several processes), a sharded one gathered."""
-  if not isinstance(x, jax.Array):
-    return np.asarray(x)
-  if x.sharding.is_fully_replicated:
-    return np.asarray(x.addressable_data(0))
-  if x.is_fully_addressable:
-    return np.asarray(x)
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def latest_step(run_dir: str) -> int | None:
   """The newest finished checkpoint's step of a run directory, without loading anything (None if
   there is none). Orbax renames a step directory only when it is complete: a digit name is one."""
@@ -63,8 +51,9 @@ def manager(run_dir: str, keep: int = 2) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, state, meta: dict[str, Any]) -> int:
-  step = int(_here(state.step))
-  flat = {k: _here(v) for k, v in _flat_state(state).items()}
+  # Whole host arrays whatever the layout (replicated, sharded, several processes).
+  step = int(whole(state.step))
+  flat = {k: whole(v) for k, v in _flat_state(state).items()}
   mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
                                           meta=ocp.args.JsonSave(meta)), force=True)
   mngr.wait_until_finished()

@@ -167,17 +167,24 @@ def check_names_and_shapes(want: dict, got: dict, *, source: str) -> None:
 
 # ---- The run config (YAML sections). `None` means "take it from the target" where noted. ----
 
-def _device_key(d, where: str) -> str:
-  """A device entry as a key for duplicate checks: "cuda:1", "gpu:1" and 1 -> "gpu:1"; "cpu"."""
+def parse_device(d, where: str) -> tuple[str | None, int | None]:
+  """A device entry -> (platform, index): "cuda:1" and "gpu:1" -> ("gpu", 1), "gpu" -> ("gpu", 0),
+  "cpu" -> ("cpu", None), "cpu:1" -> ("cpu", 1), 1 -> (None, 1) (an index into the local devices)."""
   s = str(d).strip().lower().replace("cuda", "gpu")
   if s.isdigit():
-    return f"gpu:{s}"
+    return None, int(s)
   if s in ("cpu", "gpu"):
-    return s + (":0" if s == "gpu" else "")
+    return s, (0 if s == "gpu" else None)
   platform, _, index = s.partition(":")
   if platform in ("cpu", "gpu") and index.isdigit():
-    return f"{platform}:{int(index)}"
+    return platform, int(index)
   raise ConfigError(f"{where}: {d!r} is not a device; write cuda:N (or gpu:N), cpu, or an index")
+
+
+def _device_key(d, where: str) -> tuple:
+  """For duplicate checks: a bare index counts as that GPU ("1" and "cuda:1" are one device)."""
+  platform, index = parse_device(d, where)
+  return (platform or "gpu", index)
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_drafter.config import parse_device
+
 log = logging.getLogger(__name__)
 
 
 MIN_SHARDED_SIZE = 2**14    # train.shard_state: smaller arrays (norms, biases, the rng) stay replicated
+
+
+def whole(x) -> np.ndarray:
+  """A state or metric array as one host array, whatever its layout: this process's copy of a
+  replicated array (one device, a mesh, or several processes), a sharded one gathered."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  if x.sharding.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def this_process(tree):
+  """Arrays that span several processes as whole arrays of this process (the same tree with one
+  process, where they are usable as they are)."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(lambda x: jnp.asarray(whole(x)), tree)
+
+
+def scalars(tree: dict) -> dict[str, float]:
+  """Replicated scalars (a step's metrics) as floats, in one device-to-host transfer."""
+  here = jax.device_get({k: v.addressable_data(0) for k, v in tree.items()})
+  return {k: float(v) for k, v in here.items()}
 
 
 class LayoutError(ValueError):
@@ -46,12 +75,8 @@ def resolve_drafter_devices(names) -> list:
   seen = ", ".join(f"{d.platform}:{i}" for i, d in enumerate(local))
   out = []
   for name in names:
-    s = str(name).strip().lower().replace("cuda", "gpu")
-    platform, _, index = s.rpartition(":")
-    if not index.isdigit() or (platform and platform != local[0].platform):
-      raise LayoutError(f"train.devices: {name!r} is not a device JAX sees here ({seen})")
-    i = int(index)
-    if i >= len(local):
+    platform, i = parse_device(name, "train.devices")
+    if i is None or (platform and platform != local[0].platform) or i >= len(local):
       raise LayoutError(f"train.devices: {name!r} is not a device JAX sees here ({seen})")
     out.append(local[i])
   if len(set(out)) != len(out):
@@ -100,6 +125,7 @@ class Placement:
     """Replicated state, or (shard=True, FSDP-style) every array split over the mesh on its
     largest axis that the device count divides (XLA gathers parameters where a step needs them):
     parameters and AdamW moments take 1/n of the memory per device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
     n = len(self.devices)
 
     def one(x):
@@ -111,7 +137,6 @@ class Placement:
       spec[axes[0]] = "data"
       return NamedSharding(self.mesh, P(*spec))
 
-    from jax.sharding import NamedSharding, PartitionSpec as P
     return jax.tree.map(one, state)
 
   def put(self, tree, shardings):
@@ -205,7 +230,7 @@ class Producer:
     self.batches, self.A, self.B = batches, grad_accum, batch_size
     self.sources, self.layer_ids, self.place = sources, tuple(layer_ids), place
     shard_devs = [device_name(d) for d in place.devices]
-    rep_devs = [device_name(getattr(s, "device", None) or s.target.device) for s in sources]
+    rep_devs = [device_name(s.device) for s in sources]   # every feature source has a device
     self.pieces = [p for p in plan_pieces(batch_size, place.shard_rows(batch_size), rep_devs,
                                           shard_devs)
                    if place.devices[p.shard].process_index == jax.process_index()]
@@ -292,32 +317,28 @@ class Prefetcher:
           if self.stop.is_set():
             return
           item = self.producer.next()
-        while not self.stop.is_set():
-          try:
-            self.q.put(item, timeout=0.1)
-            break
-          except queue.Full:
-            continue
-        if self.stop.is_set():
+        if not self._put(item):
           return
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-      self._put_final(e)
+      self._put(e)
       return
-    self._put_final(self._END)
+    self._put(self._END)
 
-  def _put_final(self, item):
+  def _put(self, item) -> bool:
+    """Queue `item` unless the consumer has closed us meanwhile (then False): never blocks past
+    close()."""
     while not self.stop.is_set():
       try:
         self.q.put(item, timeout=0.1)
-        return
+        return True
       except queue.Full:
         continue
+    return False
 
   def get(self) -> tuple[Feed, float]:
-    t0 = time.perf_counter()
     if self.thread is None:
-      feed = self.producer.next()
-      return feed, 0.0
+      return self.producer.next(), 0.0
+    t0 = time.perf_counter()
     item = self.q.get()
     waited = time.perf_counter() - t0
     if item is self._END:

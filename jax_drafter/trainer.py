@@ -48,25 +48,6 @@ def _attn_impl(t) -> dict:
   return {"implementation": t.attention} if t.attention else {}
 
 
-def local(tree):
-  """Arrays that span several processes as whole arrays of this process (the same tree with one
-  process): replicated ones by this process's copy, sharded ones gathered."""
-  if jax.process_count() == 1:
-    return tree
-  from jax.experimental import multihost_utils
-
-  def one(x):
-    if x.sharding.is_fully_replicated:
-      return x.addressable_data(0)
-    return jnp.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return jax.tree.map(one, tree)
-
-
-def _host_value(x) -> float:
-  """A replicated scalar as a float, also when the array spans other processes' devices."""
-  return float(np.asarray(x.addressable_data(0)))
-
-
 def _read_json(path: str) -> dict | None:
   if not os.path.exists(path):
     return None
@@ -200,7 +181,7 @@ class _Run:
 
   @property
   def step(self) -> int:
-    return int(_host_value(self.state.step))
+    return int(pipeline.whole(self.state.step))
 
   def _resume(self, state):
     _, meta = ckpt.read_meta(self.mngr)
@@ -239,7 +220,7 @@ class _Run:
       feed.handoff.release_after(total)
     producer.close()
     from jax_drafter import objective
-    m = {k: _host_value(v) for k, v in objective.metrics_from_sums(total).items()}
+    m = pipeline.scalars(objective.metrics_from_sums(total))
     rec = {"step": step, "val_loss": m["loss"], "val_accuracy": m["accuracy"],
            "val_tau_estimate": m["tau_estimate"]}
     last = self.history[-1] if self.history else None
@@ -273,7 +254,7 @@ class _Run:
     if rec["val_tau_estimate"] <= self.best_score:
       return
     self.best_score = rec["val_tau_estimate"]
-    params = local(self.state.params)
+    params = pipeline.this_process(self.state.params)
     if self.main:
       write_zlab(path, self.dcfg, params)
       ckpt.save_json(os.path.join(path, "validation.json"), rec)
@@ -300,7 +281,7 @@ class _Run:
       return
     (i, metrics, feed, waited), self.pending = self.pending, None
     t = self.t
-    m = {k: _host_value(v) for k, v in metrics.items()}
+    m = pipeline.scalars(metrics)
     feed.handoff.release_after()
     drafter_s, wall_s = self.clock.wait(i)
     tok = self.tokens_per_step
@@ -348,9 +329,9 @@ class _Run:
     if not prompts:
       log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
       return None
-    report = evaluate_tau(target, self.dcfg, self.graphdef, local(self.state.params), prompts,
+    report = evaluate_tau(target, self.dcfg, self.graphdef, pipeline.this_process(self.state.params), prompts,
                           max_new_tokens=t.eval_max_new_tokens, progress=False,
-                          frozen=local(self.frozen),
+                          frozen=pipeline.this_process(self.frozen),
                           reference_cache=self.references)
     est = self.history[-1]["tau_estimate"] if self.history else None  # None, never NaN: JSONL
     ll = report["lossless"]
@@ -457,6 +438,6 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
   run.summary.update(final_step=run.step, last=history[-1] if history else None,
                      first=history[0] if history else None, checkpoint=run.last_saved,
                      drafter_config=run.dcfg, target=run.target, graphdef=run.graphdef,
-                     params=local(run.state.params), held_out=run.ds.held_out,
+                     params=pipeline.this_process(run.state.params), held_out=run.ds.held_out,
                      interrupted=bool(intr.hit), data_stats=run.ds.stats, out_of_time=out_of_time)
   return run.summary
