@@ -21,7 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import dataclasses
-import logging
 import sys
 import time
 
@@ -80,10 +79,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      datefmt="%H:%M:%S")
-  for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from jax_drafter.cli import setup_logging
+  setup_logging()
   import jax
   jax.devices()  # initialise JAX's backend before torch touches CUDA, as training does
   from bridge.feature_store import CacheError, human_bytes

@@ -407,9 +407,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
   jax.devices()  # initialise JAX's backend before torch touches CUDA (import alone does not)
-  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-  for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):  # the report, not their INFO
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from jax_drafter.cli import setup_logging
+  setup_logging(timestamps=False)     # the report, not the libraries' INFO lines
   args = _parse(argv)
   try:
     if args.run_dir:

@@ -49,10 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      datefmt="%H:%M:%S")
-  for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from jax_drafter.cli import setup_logging
+  setup_logging()
   log = logging.getLogger("jax_drafter.regenerate")
 
   import jax

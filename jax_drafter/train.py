@@ -67,10 +67,8 @@ def init_processes(args) -> None:
 def main(argv=None, *, first_step=None) -> int:
   """first_step: passed to trainer.train (a tool's measurement of the real step)."""
   args = _parser().parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      datefmt="%H:%M:%S")
-  for noisy in ("absl", "orbax", "jax._src", "httpx", "transformers"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from jax_drafter.cli import setup_logging
+  setup_logging()
   log = logging.getLogger("jax_drafter.train")
 
   init_processes(args)

@@ -356,10 +356,8 @@ def main(argv=None) -> int:
   # Before JAX initialises: never grab all GPU memory up front (the target shares the machine).
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   from jax_drafter.train import DEFAULT_CONFIG
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      datefmt="%H:%M:%S")
-  for noisy in ("absl", "jax._src", "transformers"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from jax_drafter.cli import setup_logging
+  setup_logging()
   args = _parse(argv)
   try:
     cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
