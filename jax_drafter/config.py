@@ -253,6 +253,11 @@ class DataSection:
   regenerate_max_new_tokens: int = 256
   regenerate_max_turns: int | None = None   # assistant turns per conversation (None = all)
   regenerate_temperature: float = 0.0       # 0 = greedy (what temperature-0 evaluation decodes)
+  # Answers per training conversation: the first at regenerate_temperature, the others sampled at
+  # regenerate_sample_temperature (seeds seed+1, seed+2, ...). More of the target's own text from
+  # the same prompts; validation conversations keep the first answer only.
+  regenerate_samples: int = 1
+  regenerate_sample_temperature: float = 0.8
   regenerate_batch_rows: int = 256          # sequences decoded at once
   regenerate_batch_tokens: int = 524288     # rows x (longest prompt + max_new_tokens) per batch
   regenerate_file: str | None = None        # JSONL cache; None: <cache_dir>/regenerated.jsonl
@@ -275,6 +280,13 @@ class DataSection:
     if self.regenerate_temperature < 0:
       raise ConfigError(f"data.regenerate_temperature={self.regenerate_temperature} must be >= 0 "
                         "(0 = greedy)")
+    if self.regenerate_samples < 1:
+      raise ConfigError(f"data.regenerate_samples={self.regenerate_samples} must be >= 1 (answers "
+                        "per training conversation)")
+    if self.regenerate_samples > 1 and self.regenerate_sample_temperature <= 0:
+      raise ConfigError(f"data.regenerate_sample_temperature={self.regenerate_sample_temperature} "
+                        "must be > 0: the extra answers of data.regenerate_samples are sampled (at "
+                        "0 they would repeat the greedy answer)")
     if self.features is not None and not self.features.strip():
       raise ConfigError("data.features is empty: give the directory written by "
                         "`python -m jax_drafter.cache_features`, or null to run the target online")

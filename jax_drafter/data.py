@@ -409,7 +409,9 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
                   max_conversations: int | None = None, held_out: int = 0, seed: int = 0,
                   cache_dir: str | os.PathLike | None = None, pack_mode: str = "truncate",
                   regenerate: Callable[[list[dict]], list[dict]] | None = None,
-                  regenerate_key: str = "", validation: int = 0) -> Dataset:
+                  regenerate_key: str = "", validation: int = 0,
+                  regenerate_validation: Callable[[list[dict]], list[dict]] | None = None
+                  ) -> Dataset:
   """Loads, splits, (optionally regenerates), tokenises and packs; caches the result as .npz.
 
   `max_conversations` caps the usable conversations read (file order) before `held_out` of them are
@@ -417,7 +419,8 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   (`bridge.regenerate`: exact token ids `input_ids` and the generated id ranges `assistant_spans`,
   used as they are, never re-tokenised); `regenerate_key` must then name the target and its
   settings (it is part of the cache key). `validation` training conversations (the last ones) are
-  set aside instead, made into rows the same way: a validation loss that sees overfitting.
+  set aside instead, made into rows the same way: a validation loss that sees overfitting
+  (`regenerate_validation`, when given, regenerates them instead of `regenerate`).
   """
   if regenerate is not None and not regenerate_key:
     raise ValueError("build_dataset(regenerate=...) needs a regenerate_key naming the target and "
@@ -452,7 +455,7 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   rows, stats = pack_documents(docs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
   val_rows = None
   if val:
-    vdocs, _, _ = _documents(file, tokenizer, val, max_tokens, regenerate)
+    vdocs, _, _ = _documents(file, tokenizer, val, max_tokens, regenerate_validation or regenerate)
     val_rows, vstats = pack_documents(vdocs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
     if not vstats["rows"]:
       raise DataError(f"{file}: the {len(val)} validation conversations gave no row with an "
@@ -619,4 +622,7 @@ def feature_cache_settings(cfg, layer_ids) -> dict:
       "data.regenerate_max_new_tokens": d.regenerate_max_new_tokens if regen else None,
       "data.regenerate_max_turns": d.regenerate_max_turns if regen else None,
       "data.regenerate_temperature": d.regenerate_temperature if regen else None,
+      "data.regenerate_samples": d.regenerate_samples if regen and d.regenerate_samples > 1 else None,
+      "data.regenerate_sample_temperature": (d.regenerate_sample_temperature
+                                             if regen and d.regenerate_samples > 1 else None),
   }

@@ -5,10 +5,15 @@ cache, regeneration and the tools.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import jax
 
 from jax_drafter import data as data_lib
 from jax_drafter.config import ConfigError, RunConfig, resolve_drafter
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -21,24 +26,51 @@ def check_inputs(cfg: RunConfig) -> None:
 
 
 def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
-                 cuda_graph: bool | None = None, fingerprint: str | None = None):
+                 cuda_graph: bool | None = None, fingerprint: str | None = None,
+                 first_only: bool = False):
   """-> (fn, key) that regenerate the training conversations with `target` as configured.
   fingerprint: the target's model is not loaded (training from a feature cache); the answers
-  are read from the regeneration cache that this target (of this fingerprint) wrote."""
+  are read from the regeneration cache that this target (of this fingerprint) wrote.
+  With data.regenerate_samples = K > 1, fn returns K records per conversation (the first answer
+  at regenerate_temperature, then K-1 sampled ones), all in the same cache file; first_only: only
+  the first (what validation uses)."""
   from bridge import regenerate as regen_lib
   d = cfg.data
-  settings = regen_lib.Settings(
+  base = regen_lib.Settings(
       max_new_tokens=d.regenerate_max_new_tokens, temperature=d.regenerate_temperature,
       seed=d.seed, max_prompt_tokens=min(d.seq_len, target.info.max_position_embeddings
                                          - d.regenerate_max_new_tokens),
       max_turns=d.regenerate_max_turns)
+  samples = [base] + [dataclasses.replace(base, temperature=d.regenerate_sample_temperature,
+                                          seed=d.seed + i)
+                      for i in range(1, 1 if first_only else d.regenerate_samples)]
+  path = d.regenerate_path(cfg.train.output_dir)
   if fingerprint is not None:
-    return regen_lib.cached_regenerator(target.tokenizer, settings, fingerprint,
-                                        d.regenerate_path(cfg.train.output_dir))
-  return regen_lib.make_regenerator(
-      target.model, target.tokenizer, settings, cache_path=d.regenerate_path(cfg.train.output_dir),
-      batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
-      progress=progress, stats=stats, cuda_graph=cuda_graph)
+    made = [regen_lib.cached_regenerator(target.tokenizer, s, fingerprint, path) for s in samples]
+    parts = [None] * len(made)
+  else:
+    parts = [stats] if len(samples) == 1 else [{} for _ in samples]  # each call's own counts
+    made = [regen_lib.make_regenerator(
+        target.model, target.tokenizer, s, cache_path=path, batch_rows=d.regenerate_batch_rows,
+        batch_tokens=d.regenerate_batch_tokens, progress=progress, stats=part,
+        cuda_graph=cuda_graph) for s, part in zip(samples, parts)]
+  if len(made) == 1:
+    return made[0]
+
+  def fn(convs: list[dict]) -> list[dict]:
+    records = []
+    for i, (f, _) in enumerate(made):
+      log.info("regenerate: answer %d of %d per conversation (temperature %g)", i + 1, len(made),
+               samples[i].temperature)
+      records += f(convs)
+    if stats is not None and parts[0] is not None:   # the counts of every answer, summed
+      stats.clear()
+      for part in parts:
+        for k, v in part.items():
+          stats[k] = stats.get(k, 0) + v if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+      stats["conversations"] = parts[0]["conversations"]
+    return records
+  return fn, "+".join(k for _, k in made)
 
 
 def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: bool = False):
@@ -68,18 +100,21 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
   if manifest is not None:
     settings = data_lib.feature_cache_settings(cfg, dcfg.target_layer_ids)
     feature_store.check_settings(manifest, settings, cfg.data.features)
-  regen, regen_key = None, ""
+  regen, regen_key, val_regen = None, "", None
   if cfg.data.regenerate:
     # DFlash trains on the target's own outputs: the target rewrites the assistant turns first,
     # cached on disk and keyed by the target's fingerprint and the generation settings.
     no_model = not hasattr(target, "model")   # features from disk: answers from the cache only
-    regen, regen_key = regeneration(
-        cfg, target, stats=regenerate_stats, progress=progress,
-        fingerprint=manifest["regenerate_fingerprint"] if no_model else None)
+    fp = manifest["regenerate_fingerprint"] if no_model else None
+    regen, regen_key = regeneration(cfg, target, stats=regenerate_stats, progress=progress,
+                                    fingerprint=fp)
+    if cfg.data.regenerate_samples > 1 and cfg.data.validation:
+      val_regen = regeneration(cfg, target, progress=progress, fingerprint=fp, first_only=True)[0]
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
-      regenerate=regen, regenerate_key=regen_key, validation=cfg.data.validation)
+      regenerate=regen, regenerate_key=regen_key, validation=cfg.data.validation,
+      regenerate_validation=val_regen)
   return target, dcfg, ds
 
 

@@ -41,3 +41,38 @@ def test_bad_shard_is_a_one_line_error(tiny_target_dir, sharegpt_sample, capsys)
   rc = regen_cli.main(["--config", "/dev/null", f"target.path={tiny_target_dir}",
                        f"data.path={sharegpt_sample}", "--shard", "2/2", "--quiet"])
   assert rc == 2 and "--shard 2/2" in capsys.readouterr().err
+
+
+def test_several_answers_per_conversation(tiny_target_dir, sharegpt_sample, tmp_path):
+  """data.regenerate_samples=2: the greedy answer (the same record a one-answer run writes) and a
+  sampled one per conversation, in one cache; a rerun generates nothing."""
+  common = ["--config", "/dev/null", f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}",
+            "data.max_conversations=8", "data.held_out=2", "data.seq_len=256",
+            "data.regenerate_max_new_tokens=6", "data.regenerate_max_turns=1"]
+  one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+  assert regen_cli.main(common + ["--quiet", "--out", str(one)]) == 0
+  js = tmp_path / "two.json"
+  assert regen_cli.main(common + ["data.regenerate_samples=2", "--quiet", "--out", str(two),
+                                  "--json", str(js)]) == 0
+  greedy = {r["key"]: r for r in map(json.loads, open(one))}
+  both = [json.loads(line) for line in open(two)]
+  summary = json.load(open(js))
+  assert summary["records"] == len(both) == 2 * len(greedy) and greedy
+  first = {r["key"]: r for r in both[:len(greedy)]}
+  assert first == greedy                         # the first answer is the greedy run's record
+  sampled = both[len(greedy):]
+  assert sorted(r["id"] for r in sampled) == sorted(r["id"] for r in greedy.values())
+  assert not {r["key"] for r in sampled} & set(greedy)
+  by_id = {r["id"]: r for r in greedy.values()}
+  assert any(r["input_ids"] != by_id[r["id"]]["input_ids"] for r in sampled)
+  again = tmp_path / "again.json"
+  assert regen_cli.main(common + ["data.regenerate_samples=2", "--quiet", "--out", str(two),
+                                  "--json", str(again)]) == 0
+  assert json.load(open(again))["generated_tokens"] == 0
+
+
+def test_sampled_answers_need_a_temperature():
+  import pytest
+  from jax_drafter.config import ConfigError
+  with pytest.raises(ConfigError, match="regenerate_sample_temperature"):
+    load_config(None, ["data.regenerate_samples=2", "data.regenerate_sample_temperature=0"])
