@@ -160,7 +160,11 @@ class _Batch:
       logits = self._forward(self.static_ids, self.static_pos, mask)
     torch.cuda.current_stream(self.dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: JAX shares the process (its threads poll events, copy, launch). In the default
+    # "global" mode any such call from another thread during the capture invalidates it and puts
+    # JAX's stream in an error state (seen at the end of a training run on the H200: the in-run
+    # evaluation's capture failed and JAX died with "Callback registry is closed").
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
       self.static_logits = self._forward(self.static_ids, self.static_pos, mask)
     self.graph = graph
     return logits

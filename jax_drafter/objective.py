@@ -202,3 +202,87 @@ def metrics_from_sums(s: Sums) -> dict[str, jax.Array]:
   return {"loss": s.wce / safe(s.w), "accuracy": s.correct / safe(s.counted),
           "tau_estimate": s.accept / safe(s.blocks) + 1.0,
           "supervised_tokens": s.counted, "valid_blocks": s.blocks}
+
+
+# ---- Exact greedy acceptance length from teacher forcing (validation) ---------------------------
+#
+# At temperature 0 a DFlash verify step at position j of a target answer sees exactly the context
+# that teacher forcing gives it (the target's features of prompt + answer[:j], the token answer[j]),
+# so the accepted length a(j) of a block anchored at j is the same number in training and in real
+# decoding. Real decoding visits j = 0, then j + a(j) + 1, ...: walking a(j) over every position of
+# an answer gives the tau that speculative decoding of that answer measures, without decoding. The
+# per-block mean of a(j) + 1 over random anchors (`tau_estimate`) weighs every position alike and
+# overstates tau where easy stretches (repetition) and hard ones alternate: decoding crosses an
+# easy stretch in few steps.
+
+
+class ResponseAnchors(NamedTuple):
+  """Anchors at every position of every response (a maximal run of supervised tokens of one
+  document) up to its first `max_new_tokens` tokens; numpy, [R, N], padded with invalid slots."""
+  anchors: np.ndarray      # int32 [R, N]
+  valid: np.ndarray        # bool [R, N]
+  response: np.ndarray     # int32 [R, N]: index of the anchor's response (-1 in padding)
+  offset: np.ndarray       # int32 [R, N]: position j of the anchor inside its response
+  lengths: np.ndarray      # int32 [num responses]: anchors of each response, min(L, M) - 1
+
+
+def response_anchors(loss_mask_RxS: np.ndarray, doc_id_RxS: np.ndarray,
+                     max_new_tokens: int) -> ResponseAnchors:
+  lm = np.asarray(loss_mask_RxS).astype(bool)
+  doc = np.asarray(doc_id_RxS)
+  R, S = lm.shape
+  rows, lengths = [], []
+  for r in range(R):
+    slots = []
+    p = 0
+    while p < S:
+      if not lm[r, p]:
+        p += 1
+        continue
+      q = p
+      while q + 1 < S and lm[r, q + 1] and doc[r, q + 1] == doc[r, p]:
+        q += 1
+      n = min(q - p + 1, max_new_tokens) - 1   # the last token of the stretch has no next token
+      if n > 0:
+        slots += [(p + j, len(lengths), j) for j in range(n)]
+        lengths.append(n)
+      p = q + 1
+    rows.append(slots)
+  N = max(1, max(len(s) for s in rows))
+  out = ResponseAnchors(np.zeros((R, N), np.int32), np.zeros((R, N), bool),
+                        np.full((R, N), -1, np.int32), np.zeros((R, N), np.int32),
+                        np.asarray(lengths, np.int32))
+  for r, slots in enumerate(rows):
+    for i, (a, s, j) in enumerate(slots):
+      out.anchors[r, i], out.valid[r, i], out.response[r, i], out.offset[r, i] = a, True, s, j
+  return out
+
+
+def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):
+  """int32 [B, N]: leading correct drafts of each block (offsets 1..K-1), as in block_sums."""
+  B = pred_BxQ.shape[0]
+  ok = (pred_BxQ == blocks.labels) & (blocks.weights > 0)
+  ok = ok.reshape(B, -1, block_size)[:, :, 1:]
+  return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)
+
+
+def walk_tau(accept_RxN: np.ndarray, ra: ResponseAnchors, rows=None) -> dict:
+  """Greedy decoding's tau from a(j) at every anchor of `ra` (rows: which rows of `ra` the
+  accept lengths are for, default all): per response the mean of a + 1 over the visited
+  positions, then the mean over responses (as jax_drafter.evaluate reports)."""
+  rows = range(len(ra.anchors)) if rows is None else rows
+  per = {}
+  for i, r in enumerate(rows):
+    sel = ra.valid[r]
+    for s, j, a in zip(ra.response[r][sel], ra.offset[r][sel], np.asarray(accept_RxN[i])[sel]):
+      per.setdefault(int(s), np.zeros(ra.lengths[s], np.int32))[j] = a
+  taus, steps, tokens = [], 0, 0
+  for s, a in per.items():
+    j, acc = 0, []
+    while j < len(a):
+      acc.append(int(a[j]))
+      j += int(a[j]) + 1
+    taus.append(float(np.mean(acc)) + 1.0)
+    steps, tokens = steps + len(acc), tokens + sum(acc) + len(acc)
+  return {"tau": float(np.mean(taus)) if taus else float("nan"), "responses": len(taus),
+          "verify_steps": steps, "tokens": tokens}

@@ -162,6 +162,20 @@ def make_eval_sums(graphdef, cfg: DrafterConfig, t: TrainSection, attn_impl: dic
   return jax.jit(eval_sums)
 
 
+def make_accept_lengths(graphdef, cfg: DrafterConfig, t: TrainSection,
+                        attn_impl: dict | None = None):
+  """Jitted (params, batch [1, B, ...], frozen, anchors [1, B, N], valid [1, B, N]) -> int32 [B, N]:
+  the accepted length of a greedy verify step anchored at each given position (teacher forcing
+  equals decoding at temperature 0; objective.walk_tau turns these into tau)."""
+  def accept(params, batch, frozen, anchors, valid):
+    micro = jax.tree.map(lambda x: x[0], batch)
+    _, (blocks, _, _, pred) = micro_sums(graphdef, params, micro, frozen, None, cfg=cfg, t=t,
+                                         attn_impl=attn_impl, return_aux=True,
+                                         anchors=(anchors[0], valid[0]))
+    return objective.accepted_lengths(pred, blocks, cfg.block_size)
+  return jax.jit(accept)
+
+
 def jit_train_step(train_step, out_shardings=None):
   """State is donated (its buffers are reused for the new state); batch and frozen arrays are not:
   features and frozen weights may be DLPack imports that torch still owns. out_shardings: the

@@ -198,40 +198,57 @@ class _Run:
 
   def validate(self, step: int):
     """Loss, accuracy and tau estimate on the validation rows (never trained on), with the same
-    anchors every time: the curve that shows overfitting, which the training loss cannot."""
+    anchors every time: the curve that shows overfitting, which the training loss cannot. Also
+    `val_tau`: the tau that greedy speculative decoding of the validation answers (their first
+    train.eval_max_new_tokens tokens) measures, exactly, from anchors at every position."""
+    from jax_drafter import objective
     rows = self.ds.val_rows
     if rows is None:
       return None
     B = self.cfg.data.batch_size
-    R = len(rows["input_ids"])
+    R0 = R = len(rows["input_ids"])
     if R < B:                           # fewer rows than a batch: repeat them to fill one
       rows = {k: np.resize(v, (B,) + v.shape[1:]) for k, v in rows.items()}
       R = B
     if self.eval_sums is None:
       self.eval_sums = step_lib.make_eval_sums(self.graphdef, self.dcfg, self.t, _attn_impl(self.t))
+      self.accept_fn = step_lib.make_accept_lengths(self.graphdef, self.dcfg, self.t,
+                                                    _attn_impl(self.t))
+      self.val_anchors = objective.response_anchors(rows["loss_mask"], rows["doc_id"],
+                                                    self.t.eval_max_new_tokens)
+    ra = self.val_anchors
     producer = pipeline.Producer(_InOrder(rows, B), 1, B, self.sources,
                                  self.dcfg.target_layer_ids, self.place)
     key = jax.random.key(self.t.seed + 7)
-    total = None
+    total, accepts = None, []
     for b in range(R // B):
       feed = producer.next()
       sums = self.eval_sums(self.state.params, feed.batch, self.frozen, jax.random.fold_in(key, b))
       total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-      feed.handoff.release_after(total)
+      sl = slice(b * B, (b + 1) * B)
+      accepts.append(self.accept_fn(self.state.params, feed.batch, self.frozen,
+                                    self.place.split_rows(ra.anchors[None, sl]),
+                                    self.place.split_rows(ra.valid[None, sl])))
+      feed.handoff.release_after((total, accepts[-1]))
     producer.close()
-    from jax_drafter import objective
     m = pipeline.scalars(objective.metrics_from_sums(total))
+    accept = np.concatenate([pipeline.whole(a) for a in accepts])
+    n = min(R0, len(accept))            # rows repeated to fill a batch count once
+    walk = objective.walk_tau(accept[:n], ra, rows=range(n))
     rec = {"step": step, "val_loss": m["loss"], "val_accuracy": m["accuracy"],
-           "val_tau_estimate": m["tau_estimate"]}
+           "val_tau_estimate": m["tau_estimate"], "val_tau": walk["tau"],
+           "val_responses": walk["responses"]}
     last = self.history[-1] if self.history else None
-    log.info("step %d: validation (%d rows) loss %.4f acc %.3f tau~ %.2f%s", step, R // B * B,
-             rec["val_loss"], rec["val_accuracy"], rec["val_tau_estimate"],
-             "" if last is None else f" (training: loss {last['loss']:.4f} acc "
-             f"{last['accuracy']:.3f} tau~ {last['tau_estimate']:.2f})")
+    log.info("step %d: validation (%d rows) loss %.4f acc %.3f tau %.3f on %d answers (first %d "
+             "tokens; estimate %.2f)%s", step, R // B * B, rec["val_loss"], rec["val_accuracy"],
+             rec["val_tau"], walk["responses"], self.t.eval_max_new_tokens,
+             rec["val_tau_estimate"],
+             "" if last is None else f"; training: loss {last['loss']:.4f} acc "
+             f"{last['accuracy']:.3f} tau~ {last['tau_estimate']:.2f}")
     self.metrics_file.write(_jsonl(rec))
     self.metrics_file.flush()
     if self.writer is not None:
-      for k in ("val_loss", "val_accuracy", "val_tau_estimate"):
+      for k in ("val_loss", "val_accuracy", "val_tau_estimate", "val_tau"):
         self.writer.add_scalar(f"val/{k[4:]}", rec[k], step)
     self.summary.setdefault("validations", []).append(rec)
     if self.t.keep_best:
@@ -239,27 +256,28 @@ class _Run:
     return rec
 
   def _keep_if_best(self, rec: dict) -> None:
-    """Export the drafter to <output_dir>/best when its validation tau estimate is the best so
+    """Export the drafter to <output_dir>/best when its validation tau (`val_tau`) is the best so
     far (the record survives a resume in best/validation.json): past the point where more epochs
     stop helping, the best drafter is not the last one."""
     from jax_drafter.export import write_zlab
     path = os.path.join(self.out, "best")
     if self.best_score is None:         # first validation of this invocation: a resumed run's best
       prev = _read_json(os.path.join(path, "validation.json")) if self.main else None
-      score = -math.inf if prev is None else prev["val_tau_estimate"]
+      # A best/ written before val_tau existed is not comparable: the first validation replaces it.
+      score = -math.inf if prev is None else prev.get("val_tau", -math.inf)
       if jax.process_count() > 1:       # every process decides alike (the gather below is collective)
         from jax.experimental import multihost_utils
         score = float(multihost_utils.broadcast_one_to_all(np.float32(score)))
       self.best_score = score
-    if rec["val_tau_estimate"] <= self.best_score:
+    if not rec["val_tau"] > self.best_score:     # NaN (no answer long enough) never wins
       return
-    self.best_score = rec["val_tau_estimate"]
+    self.best_score = rec["val_tau"]
     params = pipeline.this_process(self.state.params)
     if self.main:
       write_zlab(path, self.dcfg, params)
       ckpt.save_json(os.path.join(path, "validation.json"), rec)
-      log.info("step %d: best validation tau estimate so far (%.3f): drafter exported to %s",
-               rec["step"], rec["val_tau_estimate"], path)
+      log.info("step %d: best validation tau so far (%.3f): drafter exported to %s",
+               rec["step"], rec["val_tau"], path)
     self.summary["best"] = rec
 
   def feeder(self, count: int) -> pipeline.Prefetcher:
@@ -321,6 +339,8 @@ class _Run:
     if not self.main:
       return None                       # process 0 decodes; the others have nothing to add
     t = self.t
+    # No training work in flight while torch decodes (and captures its CUDA graphs) on the device.
+    jax.block_until_ready(self.state)
     # Training from a feature cache reads only the target's embedding and LM head; decoding needs
     # the model, built at the first evaluation.
     target = self.target.load_model() if hasattr(self.target, "load_model") else self.target

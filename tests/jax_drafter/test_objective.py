@@ -186,3 +186,31 @@ def test_chunked_ce_bf16_gradient_close_to_f32():
   g16 = jax.grad(f)(h.astype(jnp.bfloat16), jnp.bfloat16)
   assert g16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(g16, np.float32), g32, rtol=0.05, atol=0.05)
+
+
+def test_response_anchors_cover_every_answer_position_up_to_max_new_tokens():
+  # row 0: doc 0 = prompt(2) + answer(5); doc 1 = prompt(1) + answer(3); row 1: one answer of 1
+  lm = np.array([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1], [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+  doc = np.array([[0] * 7 + [1] * 4, [0] * 11])
+  ra = objective.response_anchors(lm, doc, max_new_tokens=4)
+  assert ra.lengths.tolist() == [3, 2]               # min(L, M) - 1; the 1-token answer has none
+  assert ra.anchors[0][ra.valid[0]].tolist() == [2, 3, 4, 8, 9]
+  assert ra.response[0][ra.valid[0]].tolist() == [0, 0, 0, 1, 1]
+  assert ra.offset[0][ra.valid[0]].tolist() == [0, 1, 2, 0, 1]
+  assert not ra.valid[1].any()
+
+
+def test_walk_tau_follows_the_verify_steps_of_greedy_decoding():
+  lm = np.array([[1] * 9 + [0] + [1] * 4])
+  doc = np.array([[0] * 10 + [1] * 4])
+  ra = objective.response_anchors(lm, doc, max_new_tokens=100)
+  # response 0 (8 anchors): j=0 accepts 3 -> j=4 accepts 0 -> j=5 accepts 2 -> j=8 stop
+  # response 1 (3 anchors): j=0 accepts 1 -> j=2 accepts 0 -> stop
+  a = np.zeros(ra.anchors.shape, np.int32)
+  values = [3, 9, 9, 9, 0, 2, 9, 9] + [1, 9, 0]   # 9s are skipped by the walk
+  a[0, :len(values)] = values
+  w = objective.walk_tau(a, ra)
+  assert w["responses"] == 2 and w["verify_steps"] == 3 + 2
+  assert w["tau"] == pytest.approx(((3 + 0 + 2) / 3 + 1 + (1 + 0) / 2 + 1) / 2)
+  # The per-block mean over all anchors would say more: easy stretches count once per position.
+  assert np.mean(np.array(values) + 1) > w["tau"]

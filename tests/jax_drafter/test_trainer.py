@@ -5,6 +5,7 @@ import json
 import os
 import signal
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -244,15 +245,52 @@ def test_the_best_validation_drafter_is_exported_and_survives_a_resume(tiny_targ
   extra = ("data.validation=6", "train.val_every=1", "train.steps=4")
   first = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, *extra), stop_after=2)
   vals = first["validations"]
-  best = max(vals, key=lambda v: v["val_tau_estimate"])
+  best = max(vals, key=lambda v: v["val_tau"])
   with open(os.path.join(out, "best", "validation.json")) as f:
     kept = json.load(f)
-  assert kept["val_tau_estimate"] == best["val_tau_estimate"]
-  assert kept["step"] == min(v["step"] for v in vals if v["val_tau_estimate"] == best["val_tau_estimate"])
+  assert kept["val_tau"] == best["val_tau"]
+  assert kept["step"] == min(v["step"] for v in vals if v["val_tau"] == best["val_tau"])
   cfg, _, params = read_zlab(os.path.join(out, "best"))
   assert cfg.block_size == 4 and params is not None
   done = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, out, *extra))
   allv = vals + done["validations"]
   with open(os.path.join(out, "best", "validation.json")) as f:
     kept = json.load(f)
-  assert kept["val_tau_estimate"] == max(v["val_tau_estimate"] for v in allv)
+  assert kept["val_tau"] == max(v["val_tau"] for v in allv)
+
+
+def test_validation_tau_is_what_speculative_decoding_of_the_validation_answers_measures(
+    tiny_target_dir, sharegpt_sample, tmp_path):
+  """val_tau walks the accepted lengths of anchors at every answer position (teacher forcing);
+  real greedy DFlash decoding of the same prompts, with the same drafter, must give the same tau
+  (same verify steps, same accepted lengths)."""
+  from flax import nnx
+  from jax_drafter import evaluate, objective
+  M = 10
+  out = str(tmp_path / "run")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "data.regenerate=true",
+                        "data.regenerate_max_new_tokens=24", "data.validation=14",
+                        "data.max_conversations=40", f"data.cache_dir={tmp_path / 'cache'}",
+                        "train.steps=2", "train.val_every=2", "train.num_anchors=16",
+                        f"train.eval_max_new_tokens={M}", "train.learning_rate=1e-2")
+  summary = trainer.train(cfg)
+  val = summary["validations"][-1]
+  run = trainer._Run(cfg, trainer.Progress())     # resumes the final state
+  rows = run.ds.val_rows
+  ra = objective.response_anchors(rows["loss_mask"], rows["doc_id"], M)
+  starts = np.asarray(objective.document_starts(jnp.asarray(rows["doc_id"])))
+  B, R = cfg.data.batch_size, len(rows["input_ids"])
+  prompts = []
+  for r in range(R if R < B else R // B * B):      # the rows validation evaluates
+    for i in np.nonzero(ra.valid[r] & (ra.offset[r] == 0))[0]:
+      a = ra.anchors[r, i]                         # the answer's first token: the prompt ends before
+      prompts.append([int(t) for t in rows["input_ids"][r, starts[r, a]:a]])
+  assert val["val_responses"] == len(prompts) >= 3
+  params = nnx.state(nnx.merge(run.graphdef, run.state.params), nnx.Param)
+  report = evaluate.evaluate_tau(run.target, run.dcfg, run.graphdef, params, prompts,
+                                 max_new_tokens=M, progress=False)
+  assert report["lossless"]["passed"]
+  # Neither all-rejected nor all-accepted: verify steps of different lengths on both sides.
+  assert 1.05 < val["val_tau"] < cfg.drafter.block_size
+  assert sum(1 for n in report["accept_length_histogram"].values() if n) >= 2
+  assert val["val_tau"] == pytest.approx(report["tau"], abs=1e-9)
