@@ -128,13 +128,15 @@ LAYOUTS = {
 
 def test_every_layout_trains_like_one_device(tiny_target_dir, sharegpt_sample, tmp_path):
   """Two host devices stand in for GPUs: data parallel, a split drafter, two target replicas (and
-  the producer thread ahead or not) give the losses of one device without overlap."""
+  the producer thread ahead or not) give the losses and the validation (val_tau included) of one
+  device without overlap."""
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   one = str(tmp_path / "one")
+  val = ("data.validation=6", "train.val_every=3")
   trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, one, "train.steps=3",
-                                "train.prefetch=0"))
+                                "train.prefetch=0", *val))
   code = (
       "import copy, json, sys\n"
       "sys.path.insert(0, 'tests')\n"
@@ -149,7 +151,7 @@ def test_every_layout_trains_like_one_device(tiny_target_dir, sharegpt_sample, t
       " for t in [inputs.setup(cfg)[0]]]\n"
       "  trainer.pipeline.MIN_SHARDED_SIZE = 1  # the tiny drafter's arrays are all small\n"
       "  s = trainer.train(tiny_run_config(sys.argv[1], sys.argv[2], sys.argv[4] + '/' + name,"
-      " 'train.steps=3', *extra))\n"
+      " 'train.steps=3', 'data.validation=6', 'train.val_every=3', *extra))\n"
       "  split = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(s['params']))\n"
       "  print('DONE', name, s['final_step'], 'sharded', split)\n")
   env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -158,6 +160,12 @@ def test_every_layout_trains_like_one_device(tiny_target_dir, sharegpt_sample, t
                      capture_output=True, text=True, env=env, timeout=900, cwd=root)
   assert p.returncode == 0, p.stderr[-3000:]
   base = run_losses(one)
+
+  def validation(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      return [r for r in map(json.loads, f) if "val_loss" in r]
+  base_val = validation(one)
+  assert len(base_val) == 1 and base_val[0]["val_responses"] > 0
   for name in LAYOUTS:
     done = [line.split() for line in p.stdout.splitlines() if line.startswith(f"DONE {name} ")]
     assert done and done[0][2] == "3", p.stdout
@@ -165,6 +173,10 @@ def test_every_layout_trains_like_one_device(tiny_target_dir, sharegpt_sample, t
     got = run_losses(str(tmp_path / name))
     for s in (1, 2, 3):
       assert got[s] == pytest.approx(base[s], rel=1e-5), (name, s)
+    v = validation(str(tmp_path / name))
+    assert len(v) == 1 and v[0]["val_responses"] == base_val[0]["val_responses"], name
+    assert v[0]["val_loss"] == pytest.approx(base_val[0]["val_loss"], rel=1e-5), name
+    assert v[0]["val_tau"] == pytest.approx(base_val[0]["val_tau"], abs=1e-6), name
 
 
 def test_metrics_name_both_sides_throughput_and_the_bound(tiny_target_dir, sharegpt_sample,
