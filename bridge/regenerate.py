@@ -92,14 +92,16 @@ class _Conv:
 def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], settings: Settings, *,
                              cache_path: str | os.PathLike | None, batch_rows: int = 256,
                              batch_tokens: int = 1 << 19, cuda_graph: bool | None = None,
-                             progress: bool = True, stats: dict | None = None) -> list[dict]:
+                             progress: bool = True, stats: dict | None = None,
+                             fingerprint: str | None = None) -> list[dict]:
   """-> a record (module docstring) per conversation that kept at least one generated turn, in
   input order. Conversations whose first prompt has max_prompt_tokens or more tokens are skipped
-  and counted in `stats` (not fatal)."""
+  and counted in `stats` (not fatal). fingerprint: target_fingerprint(model, tokenizer) when the
+  caller has it already."""
   _check_target(tokenizer)
   stop = eos_token_ids(model, tokenizer, required=True)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
-  fingerprint = target_fingerprint(model, tokenizer)
+  fingerprint = fingerprint or target_fingerprint(model, tokenizer)
   keys = [_key(c, fingerprint, settings) for c in conversations]
   cache = _read_cache(Path(cache_path)) if cache_path is not None else {}
   todo = [i for i, k in enumerate(keys) if k not in cache]
@@ -238,12 +240,14 @@ def _check_target(tokenizer) -> None:
                             "tokenizer.chat_template")
 
 
-def make_regenerator(model, tokenizer, settings: Settings, **kwargs
-                     ) -> tuple[Callable[[list[dict]], list[dict]], str]:
+def make_regenerator(model, tokenizer, settings: Settings, *, fingerprint: str | None = None,
+                     **kwargs) -> tuple[Callable[[list[dict]], list[dict]], str]:
   """-> (fn, key) for `build_dataset(regenerate=fn, regenerate_key=key)`; kwargs as
-  regenerate_conversations (cache_path, batch_rows, ...)."""
-  key = regenerate_key(target_fingerprint(model, tokenizer), settings)
-  return (lambda convs: regenerate_conversations(model, tokenizer, convs, settings, **kwargs)), key
+  regenerate_conversations (cache_path, batch_rows, ...); fingerprint: the target's, if known."""
+  fingerprint = fingerprint or target_fingerprint(model, tokenizer)
+  key = regenerate_key(fingerprint, settings)
+  return (lambda convs: regenerate_conversations(model, tokenizer, convs, settings,
+                                                 fingerprint=fingerprint, **kwargs)), key
 
 
 def cached_regenerator(tokenizer, settings: Settings, fingerprint: str, cache_path

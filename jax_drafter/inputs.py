@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable, NamedTuple
 
 import jax
 
@@ -25,15 +26,20 @@ def check_inputs(cfg: RunConfig) -> None:
                       "data.validation (e.g. 32)")
 
 
+class Regeneration(NamedTuple):
+  fn: Callable[[list[dict]], list[dict]]      # conversations -> records (every answer)
+  key: str                                    # names the target and the settings (data cache key)
+  first: Callable[[list[dict]], list[dict]]   # the first answer only (what validation uses)
+
+
 def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
-                 cuda_graph: bool | None = None, fingerprint: str | None = None,
-                 first_only: bool = False):
-  """-> (fn, key) that regenerate the training conversations with `target` as configured.
+                 cuda_graph: bool | None = None, fingerprint: str | None = None) -> Regeneration:
+  """What regenerates the training conversations with `target` as configured.
   fingerprint: the target's model is not loaded (training from a feature cache); the answers
   are read from the regeneration cache that this target (of this fingerprint) wrote.
-  With data.regenerate_samples = K > 1, fn returns K records per conversation (the first answer
-  at regenerate_temperature, then K-1 sampled ones), all in the same cache file; first_only: only
-  the first (what validation uses)."""
+  With data.regenerate_samples = K > 1, `fn` returns K records per conversation (the first answer
+  at regenerate_temperature, then K-1 sampled ones), all in the same cache file; `stats` then
+  sums the counts of the K passes."""
   from bridge import regenerate as regen_lib
   d = cfg.data
   base = regen_lib.Settings(
@@ -42,38 +48,39 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
                                          - d.regenerate_max_new_tokens),
       max_turns=d.regenerate_max_turns)
   samples = [base] + [dataclasses.replace(base, temperature=d.regenerate_sample_temperature,
-                                          seed=d.seed + i)
-                      for i in range(1, 1 if first_only else d.regenerate_samples)]
+                                          seed=d.seed + i) for i in range(1, d.regenerate_samples)]
   path = d.regenerate_path(cfg.train.output_dir)
+  parts = [{} for _ in samples]       # each pass's counts (regenerate_conversations fills them)
   if fingerprint is not None:
     made = [regen_lib.cached_regenerator(target.tokenizer, s, fingerprint, path) for s in samples]
-    parts = [None] * len(made)
   else:
-    parts = [stats] if len(samples) == 1 else [{} for _ in samples]  # each call's own counts
+    fp = regen_lib.target_fingerprint(target.model, target.tokenizer)   # once for every pass
     made = [regen_lib.make_regenerator(
-        target.model, target.tokenizer, s, cache_path=path, batch_rows=d.regenerate_batch_rows,
-        batch_tokens=d.regenerate_batch_tokens, progress=progress, stats=part,
-        cuda_graph=cuda_graph) for s, part in zip(samples, parts)]
-  if len(made) == 1:
-    return made[0]
+        target.model, target.tokenizer, s, fingerprint=fp, cache_path=path,
+        batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
+        progress=progress, stats=part, cuda_graph=cuda_graph) for s, part in zip(samples, parts)]
 
   def fn(convs: list[dict]) -> list[dict]:
     records = []
-    for i, (f, _) in enumerate(made):
-      log.info("regenerate: answer %d of %d per conversation (temperature %g)", i + 1, len(made),
-               samples[i].temperature)
+    for i, ((f, _), s) in enumerate(zip(made, samples)):
+      if len(made) > 1:
+        log.info("regenerate: answer %d of %d per conversation (temperature %g)", i + 1,
+                 len(made), s.temperature)
       records += f(convs)
-    if stats is not None and parts[0] is not None:   # the counts of every answer, summed
+    if stats is not None and parts[0]:        # the passes' counts, summed
       stats.clear()
-      for part in parts:
-        for k, v in part.items():
-          stats[k] = stats.get(k, 0) + v if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-      stats["conversations"] = parts[0]["conversations"]
+      for k, v in parts[0].items():
+        if k == "conversations":              # the same conversations in every pass
+          stats[k] = v
+        elif isinstance(v, bool):             # cuda_graph: used by any pass
+          stats[k] = any(p[k] for p in parts)
+        else:                                 # counts, tokens, seconds
+          stats[k] = sum(p[k] for p in parts)
     return records
-  return fn, "+".join(k for _, k in made)
+  return Regeneration(fn, "+".join(k for _, k in made), made[0][0])
 
 
-def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: bool = False):
+def setup(cfg: RunConfig, *, progress: bool = False):
   """Target, resolved drafter config, dataset. Separate so tests and tools can reuse it.
 
   With data.features the target runs no forward: it is read from its files without building the
@@ -106,10 +113,7 @@ def setup(cfg: RunConfig, *, regenerate_stats: dict | None = None, progress: boo
     # cached on disk and keyed by the target's fingerprint and the generation settings.
     no_model = not hasattr(target, "model")   # features from disk: answers from the cache only
     fp = manifest["regenerate_fingerprint"] if no_model else None
-    regen, regen_key = regeneration(cfg, target, stats=regenerate_stats, progress=progress,
-                                    fingerprint=fp)
-    if cfg.data.regenerate_samples > 1 and cfg.data.validation:
-      val_regen = regeneration(cfg, target, progress=progress, fingerprint=fp, first_only=True)[0]
+    regen, regen_key, val_regen = regeneration(cfg, target, progress=progress, fingerprint=fp)
   ds = data_lib.build_dataset(
       target.tokenizer, cfg.data.path, cfg.data.seq_len, max_conversations=cfg.data.max_conversations,
       held_out=cfg.data.held_out, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,

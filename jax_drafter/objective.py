@@ -181,15 +181,20 @@ class Sums(NamedTuple):
   blocks: jax.Array       # number of valid blocks
 
 
+def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):
+  """int32 [B, N]: the accepted prefix of each block, the leading correct offsets among k = 1..K-1
+  (a position past the document end or unsupervised stops the chain: it cannot be accepted)."""
+  B = pred_BxQ.shape[0]
+  ok = (pred_BxQ == blocks.labels) & (blocks.weights > 0)
+  ok = ok.reshape(B, -1, block_size)[:, :, 1:]
+  return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)
+
+
 def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int) -> Sums:
-  B, Q = ce_BxQ.shape
   w = blocks.weights
   on = w > 0
   correct = (pred_BxQ == blocks.labels) & on
-  # Accepted prefix: leading correct positions among k = 1..K-1 (a position past the document end
-  # or unsupervised stops the chain: it cannot be accepted as a training-time estimate).
-  c = correct.reshape(B, -1, block_size)[:, :, 1:]
-  accept = jnp.cumprod(c.astype(jnp.int32), axis=-1).sum(-1)
+  accept = accepted_lengths(pred_BxQ, blocks, block_size)
   valid = blocks.block_valid
   return Sums(jnp.sum(ce_BxQ * w), jnp.sum(w), jnp.sum(correct).astype(jnp.float32),
               jnp.sum(on).astype(jnp.float32),
@@ -256,14 +261,6 @@ def response_anchors(loss_mask_RxS: np.ndarray, doc_id_RxS: np.ndarray,
     for i, (a, s, j) in enumerate(slots):
       out.anchors[r, i], out.valid[r, i], out.response[r, i], out.offset[r, i] = a, True, s, j
   return out
-
-
-def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):
-  """int32 [B, N]: leading correct drafts of each block (offsets 1..K-1), as in block_sums."""
-  B = pred_BxQ.shape[0]
-  ok = (pred_BxQ == blocks.labels) & (blocks.weights > 0)
-  ok = ok.reshape(B, -1, block_size)[:, :, 1:]
-  return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)
 
 
 def walk_tau(accept_RxN: np.ndarray, ra: ResponseAnchors, rows=None) -> dict:

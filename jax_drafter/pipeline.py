@@ -53,7 +53,12 @@ def this_process(tree):
   process, where they are usable as they are)."""
   if jax.process_count() == 1:
     return tree
-  return jax.tree.map(lambda x: jnp.asarray(whole(x)), tree)
+
+  def one(x):
+    if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+      return x.addressable_data(0)        # already whole here, on the drafter's device: no copy
+    return jnp.asarray(whole(x))
+  return jax.tree.map(one, tree)
 
 
 def scalars(tree: dict) -> dict[str, float]:

@@ -78,9 +78,9 @@ def main(argv=None) -> int:
     if shard:
       train = train[shard[0]::shard[1]]
     stats: dict = {}
-    fn, _ = inputs.regeneration(cfg, target, progress=not args.quiet, stats=stats,
-                                 cuda_graph=False if args.no_cuda_graph else None)
-    records = fn(train)
+    regen = inputs.regeneration(cfg, target, progress=not args.quiet, stats=stats,
+                                cuda_graph=False if args.no_cuda_graph else None)
+    records = regen.fn(train)
   except (ConfigError, data_lib.DataError, TargetError, RegenerationError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -176,7 +176,9 @@ class _Run:
     self.pending = None                             # (step index, metrics, handoff): not read yet
     self.history: list[dict] = []
     self.references: dict = {}  # target-only decodes of the held-out prompts: the target is frozen
-    self.eval_sums = None       # the jitted validation forward, built at the first validation
+    self.eval_sums = None       # the jitted validation forwards, built at the first validation
+    self.accept_fn = None       # (accepted lengths at every answer position, for val_tau)
+    self.val_anchors = None     # objective.ResponseAnchors of the validation rows
     self.best_score = None      # best validation tau estimate of the run (read at first use)
 
   @property
@@ -336,6 +338,9 @@ class _Run:
 
     The target-only reference is decoded at the first evaluation only (`references`)."""
     from jax_drafter.evaluate import evaluate_tau, prompts_from_conversations
+    # Every process takes part in gathering sharded parameters (a collective), then only
+    # process 0 decodes.
+    params, frozen = pipeline.this_process(self.state.params), pipeline.this_process(self.frozen)
     if not self.main:
       return None                       # process 0 decodes; the others have nothing to add
     t = self.t
@@ -349,9 +354,8 @@ class _Run:
     if not prompts:
       log.warning("evaluation skipped: no usable held-out prompt (raise data.held_out)")
       return None
-    report = evaluate_tau(target, self.dcfg, self.graphdef, pipeline.this_process(self.state.params), prompts,
-                          max_new_tokens=t.eval_max_new_tokens, progress=False,
-                          frozen=pipeline.this_process(self.frozen),
+    report = evaluate_tau(target, self.dcfg, self.graphdef, params, prompts,
+                          max_new_tokens=t.eval_max_new_tokens, progress=False, frozen=frozen,
                           reference_cache=self.references)
     est = self.history[-1]["tau_estimate"] if self.history else None  # None, never NaN: JSONL
     ll = report["lossless"]

@@ -276,7 +276,6 @@ def test_validation_tau_is_what_speculative_decoding_of_the_validation_answers_m
   """val_tau walks the accepted lengths of anchors at every answer position (teacher forcing);
   real greedy DFlash decoding of the same prompts, with the same drafter, must give the same tau
   (same verify steps, same accepted lengths)."""
-  from flax import nnx
   from jax_drafter import evaluate, objective
   M = 10
   out = str(tmp_path / "run")
@@ -298,8 +297,7 @@ def test_validation_tau_is_what_speculative_decoding_of_the_validation_answers_m
       a = ra.anchors[r, i]                         # the answer's first token: the prompt ends before
       prompts.append([int(t) for t in rows["input_ids"][r, starts[r, a]:a]])
   assert val["val_responses"] == len(prompts) >= 3
-  params = nnx.state(nnx.merge(run.graphdef, run.state.params), nnx.Param)
-  report = evaluate.evaluate_tau(run.target, run.dcfg, run.graphdef, params, prompts,
+  report = evaluate.evaluate_tau(run.target, run.dcfg, run.graphdef, run.state.params, prompts,
                                  max_new_tokens=M, progress=False)
   assert report["lossless"]["passed"]
   # Neither all-rejected nor all-accepted: verify steps of different lengths on both sides.
