@@ -55,8 +55,8 @@ def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = Fa
   writer = Writer(out, rows, data_lib.feature_cache_settings(cfg, layer_ids), feature_size=F,
                   shard_rows=shard_rows, info=info)
 
-  def features(rows):
-    return target.features(rows["input_ids"], rows["position_ids"], rows["doc_id"], layer_ids)
+  def features(rows):   # in sub-batches within target.memory_budget_gib, as training runs them
+    return target.stacked_features([rows], layer_ids)[0]
 
   return writer, features
 

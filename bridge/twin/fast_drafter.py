@@ -155,12 +155,14 @@ class FastDrafterStep:
     blocks = ref.build_blocks(anchors_BxN, valid_BxN, micro["input_ids"], micro["loss_mask"],
                               micro["doc_id"], micro["position_ids"], block_size=cfg.block_size,
                               mask_token_id=cfg.mask_token_id, gamma=self.gamma)
-    h = self.hidden(params, micro, embed, blocks)
     w = blocks.weights.reshape(-1)
     # Rows of weight 0 (block offset 0 always; past the document or row end, unsupervised, or in an
     # invalid block) add nothing to the loss or its gradient: their logits are never made.
+    # nonzero waits for the device: done here, before the forward is queued, the wait is short and
+    # the device never idles between the forward and the CE.
     rows = torch.nonzero(w > 0)[:, 0]
     self.last_rows = int(rows.numel())
+    h = self.hidden(params, micro, embed, blocks)
     ce, _ = linear_cross_entropy(h.reshape(-1, h.shape[-1]).index_select(0, rows), head,
                                  blocks.labels.reshape(-1).index_select(0, rows),
                                  rows=self.ce_rows, compiled=self.compiled)

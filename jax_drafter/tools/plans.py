@@ -5,9 +5,8 @@ config (jax_drafter.presets) or a run-config YAML, each with `section.key=value`
 inputs, one batch layout for all (letters as in config.py; A = train.grad_accum):
   abstract_inputs      ShapeDtypeStructs: the step compiles without memory (memory plans);
   random_inputs        random state, batch and frozen weights in JAX (memory --run, bench, breakdown);
-  random_torch_inputs  the same recipe drawn by torch on its device (the bench's PyTorch path);
   packed_batch         packed rows of two documents with too few candidates in odd rows (parity);
-  sample_anchors       sorted anchors of one fully supervised document (bench FLOPs, PyTorch path).
+  sample_anchors       sorted anchors of one fully supervised document (the bench's FLOP count).
 """
 
 from __future__ import annotations
@@ -178,24 +177,6 @@ def random_inputs(plan: Plan, seed: int = 0):
   frozen = {name: 0.02 * jax.random.normal(key, *frozen_shapes[name])
             for name, key in (("embed", k[2]), ("lm_head", k[3]))}
   return graphdef, state, batch, frozen
-
-
-# ---- inputs of the PyTorch twin ----
-
-def random_torch_inputs(cfg, B: int, S: int, dev, cd):
-  """random_inputs' recipe drawn by torch on `dev` (rows [B, S], features, embedding and LM head
-  in `cd`) -> (micro, embed, head)."""
-  import torch
-  F_ = len(cfg.target_layer_ids) * cfg.hidden_size
-  g = torch.Generator(device=dev).manual_seed(0)
-  ids = torch.randint(0, cfg.vocab_size - 1, (B, S), device=dev, generator=g)
-  micro = {"input_ids": ids, "loss_mask": torch.ones(B, S, dtype=torch.long, device=dev),
-           "doc_id": torch.zeros(B, S, dtype=torch.long, device=dev),
-           "position_ids": torch.arange(S, device=dev).expand(B, S),
-           "features": torch.randn(B, S, F_, device=dev, dtype=cd, generator=g)}
-  embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=cd, generator=g) * 0.02
-  head = torch.randn(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=cd, generator=g) * 0.02
-  return micro, embed, head
 
 
 def packed_batch(cfg, B, S, N, seed, dtype, dev):

@@ -391,7 +391,7 @@ def test_on_cuda_the_plan_stays_within_what_the_device_has_free(tiny, monkeypatc
   # JAX took the device since the budget was set: 0.9 * 100 MiB free is all there is.
   fake_cuda(monkeypatch, allocated=GIB, reserved=GIB, free=100 * MIB)
   plan = planner.plan(rows, 1000, [0, 2], out)
-  assert max(map(len, plan)) * m.activation_bytes(1, 1000) + m.overhead_bytes <= 90 * MIB
+  assert m.activation_bytes(max(map(len, plan)), 1000) <= 90 * MIB    # the largest sub-batch
   fake_cuda(monkeypatch, allocated=GIB, reserved=GIB, free=MIB)
   with pytest.raises(TargetError, match="capped at what the device can give now"):
     planner.plan(rows, 1000, [0, 2], out)
@@ -405,9 +405,9 @@ def test_measured_model_bounds_real_forwards_on_cuda(tiny_target_dir, tmp_path):
   m = t.memory.model(layer_ids)
   assert m.source == "measured" and len(os.listdir(tmp_path)) == 1
   for R, S in [(2, 64), (8, 256), (3, 500)]:
-    ids = torch.randint(0, 1000, (R, S))
+    # measure_peaks also calls the forward for its warm-up shape: the ids follow the shape asked.
     (_, _, peak), = tm.measure_peaks(
-        lambda R, S: t.features(ids, torch.arange(S).repeat(R, 1),
+        lambda R, S: t.features(torch.randint(0, 1000, (R, S)), torch.arange(S).repeat(R, 1),
                                 torch.zeros(R, S, dtype=torch.int32), layer_ids), [(R, S)],
         t.device)
     assert peak <= m.activation_bytes(R, S), (R, S, peak, m)

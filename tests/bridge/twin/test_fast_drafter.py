@@ -17,7 +17,10 @@ from jax_drafter.tools import plans
 # Same math, other order of operations (fused q/k/v, the LM head only on supervised rows, the
 # rotation written out): f32 summation order only.
 LOSS_TOL = dict(atol=1e-6, rtol=1e-6)
-GRAD_TOL = dict(atol=1e-6, rtol=1e-4)
+GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
+# Compiled flex_attention against eager attention: another kernel's reduction order over the
+# keys (measured on the CPU: up to 2e-6 absolute, 1e-4 relative, on hidden states of ~1e-2).
+FLEX_TOL = dict(atol=1e-6, rtol=1e-4)
 
 # tiny-parity (sliding window 6 + full), 3 layers so that two layers share a compiled graph.
 CFG = dataclasses.replace(presets.get("tiny-parity"), num_hidden_layers=3,
@@ -119,6 +122,6 @@ def test_compiled_flex_layers_equal_eager_and_compile_once():
     with torch.no_grad():
       got = flex.hidden(params, micro, frozen["embed"], blocks)
       want = eager.hidden(params, micro, frozen["embed"], blocks)
-    torch.testing.assert_close(got, want, **GRAD_TOL)
+    torch.testing.assert_close(got, want, **FLEX_TOL)
     graphs.append(counters["stats"]["unique_graphs"])
   assert graphs[1] == graphs[0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bridge.twin.linear_ce import linear_cross_entropy, logits_dtype
+from bridge.twin.linear_ce import linear_cross_entropy
 
 TOL = dict(atol=1e-5, rtol=1e-5)   # f32, different summation order only
 
@@ -58,7 +58,6 @@ def test_bf16_operands_match_plain_cross_entropy_to_bf16_rounding():
   hb = h.bfloat16().requires_grad_()
   ce, _ = linear_cross_entropy(hb, w.bfloat16(), y, rows=16)
   (ce * ct).sum().backward()
-  assert logits_dtype(hb) in ("float32", "bfloat16 rounded")
   h32 = h.bfloat16().float().requires_grad_()
   want = F.cross_entropy(h32 @ w.bfloat16().float().T, y, reduction="none")
   (want * ct).sum().backward()
