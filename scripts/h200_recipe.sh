@@ -43,7 +43,7 @@ case "${1:-}" in
     mkdir -p "$D/smollm2" "$D/cache"
     cat "$D/gguf.part0" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
-    [ -f "$D/cache/regenerated.jsonl" ] || gunzip -c .gpu_c/regenerated.jsonl.gz > "$D/cache/regenerated.jsonl"
+    [ -f "$D/cache/regenerated.jsonl" ] || [ ! -f .gpu_c/regenerated.jsonl.gz ] || gunzip -c .gpu_c/regenerated.jsonl.gz > "$D/cache/regenerated.jsonl"
     wc -l "$D/cache/regenerated.jsonl"
     run timeout 300 python3 -m jax_drafter.regenerate "${COMMON[@]}" ${EXTRA:-} \
         --json "$OUT/regen.json" --quiet > "$OUT/regen.log" 2>&1
