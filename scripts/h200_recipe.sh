@@ -16,7 +16,7 @@
 #            data.regenerate_samples), then trains for what is left of the call (no evaluation)
 #   resume   continues the run from its checkpoint and evaluates held-out tau where it stops
 # Environment: EXTRA (config overrides for the run), LIMIT (the call's seconds, default 585),
-# EVAL_S (seconds kept for the evaluation in "resume", default 170).
+# EVAL_S (seconds kept for the evaluation in "resume", default 260: 32 prompts took ~200 s on 2026-12-01).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -56,7 +56,7 @@ case "${1:-}" in
         ${EXTRA:-} --max-minutes "$MIN" --quiet --no-export > "$OUT/train.log" 2>&1 ;;
   resume)
     [ -d "$RUN/checkpoints" ] || { echo "no $RUN/checkpoints: the machine went cold"; exit 3; }
-    MIN=$(python3 -c "print(max(0.5, ($(left) - ${EVAL_S:-170} - 60) / 60))")
+    MIN=$(python3 -c "print(max(0.5, ($(left) - ${EVAL_S:-260} - 60) / 60))")
     echo "training for $MIN minutes, then the held-out evaluation"
     run timeout $(( $(left) - 5 )) python3 -m jax_drafter.train "${COMMON[@]}" ${EXTRA:-} \
         --max-minutes "$MIN" --quiet > "$OUT/train-resume.log" 2>&1
