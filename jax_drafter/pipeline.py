@@ -300,12 +300,14 @@ class Prefetcher:
 
   `get()` returns the next Feed and how long the caller waited for it (the drafter idles that
   long: the target side is the bottleneck). An exception on the producer thread is raised by
-  the next `get()`. depth 0: no thread; `get()` produces inline."""
+  the next `get()`. depth 0: no thread; `get()` produces inline. Either way exactly `count` feeds,
+  then StopIteration."""
 
   _END = object()
 
   def __init__(self, producer: Producer, count: int, depth: int):
     self.producer, self.depth = producer, depth
+    self.left = count                 # feeds still to hand out (depth 0 counts them here)
     self.stop = threading.Event()
     self.busy = threading.Lock()      # held while a Feed is made; hold() pauses the producer
     self.thread = None
@@ -342,6 +344,9 @@ class Prefetcher:
 
   def get(self) -> tuple[Feed, float]:
     if self.thread is None:
+      if self.left <= 0:
+        raise StopIteration
+      self.left -= 1
       return self.producer.next(), 0.0
     t0 = time.perf_counter()
     item = self.q.get()

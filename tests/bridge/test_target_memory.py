@@ -422,3 +422,32 @@ def test_measured_model_bounds_real_forwards_on_cuda(tmp_path):
                                 torch.zeros(R, S, dtype=torch.int32), layer_ids), [(R, S)],
         t.device)
     assert peak <= m.activation_bytes(R, S), (R, S, peak, m)
+
+
+# ---- scripts/target_memory_check.py (the GPU check; its CPU side here) ----
+
+def _check_script():
+  import importlib.util
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "target_memory_check.py")
+  spec = importlib.util.spec_from_file_location("target_memory_check", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_the_check_script_has_the_27b_hybrid_shapes_and_packs_documents(capsys):
+  from transformers import AutoModelForCausalLM
+  check = _check_script()
+  cfg = check.random_config("qwen3.6-27b")
+  with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+  n = sum(p.numel() for p in model.parameters())
+  assert 26.8e9 < n < 27.0e9                                         # "about 54 GB in bf16"
+  assert cfg.layer_types.count("linear_attention") == 48 and cfg.layer_types[3] == "full_attention"
+  ids, pos, doc = check.packed(2, 10, 3, torch.Generator().manual_seed(0), 512)
+  assert doc[1].tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+  assert pos[1].tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2] and ids.shape == (2, 10)
+  assert check.main(["--random", "tiny-hybrid", "--device", "cpu", "--shapes", "67x122",
+                     "--docs", "2", "--then", "exit 3"]) == 1             # a failing --then counts
+  out = capsys.readouterr().out
+  assert "67x122" in out and "--then exited 3" in out

@@ -83,9 +83,8 @@ def test_two_replicas_give_the_features_of_one(tiny, depth):
     producer = pipeline.Producer(batches, 2, 4, sources, [0, 2], place)
     pre = pipeline.Prefetcher(producer, 3, depth=depth)
     got = [pre.get()[0] for _ in range(3)]
-    if depth:
-      with pytest.raises(StopIteration):
-        pre.get()                                # exactly `count` feeds, then the end
+    with pytest.raises(StopIteration):
+      pre.get()                                  # exactly `count` feeds, then the end
     pre.close()
     feeds[name] = got
   for a, b in zip(feeds["one"], feeds["two"]):
