@@ -9,6 +9,8 @@
 #   bash scripts/h200_checks.sh bench           # full step JAX vs PyTorch, 27b-8k (+ JAX breakdown,
 #                                               # + JAX with per-layer remat)
 #   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
+#   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
+#                                               # 27B drafter's step on one GPU (issue #14)
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
 #   bash scripts/h200_checks.sh kernel parity memory bench     # four GPUs, four parts at once
 #   BENCH_DEVICES=1,2,3 bash scripts/h200_checks.sh bench-all  # all bench cases over three GPUs
@@ -74,6 +76,16 @@ part_cmds() {
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 60 python3 scripts/matmul_peak.py
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" run timeout 200 \
           python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 190 ;;
+    hybrid-27b)   # issue #14: a random Qwen3.6-27B-shaped hybrid target (~54 GB) and the 27B
+                  # drafter's step on one GPU; carry .gpu_fla (fla_core, flash_linear_attention,
+                  # einops wheels), installed into /tmp/site first
+      [ -d .gpu_fla ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+          --no-cache-dir --upgrade --target /tmp/site .gpu_fla/*.whl
+      PYTHONPATH=/tmp/site:. run timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+          tests/bridge/test_hybrid.py tests/bridge/test_target_memory.py
+      PYTHONPATH=/tmp/site:. run timeout 500 python3 scripts/target_memory_check.py \
+          --random qwen3.6-27b --shapes 1x8192,4x2048,67x122 --docs 4 \
+          --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
     *) echo "unknown part $part"; return 2 ;;
   esac
 }
