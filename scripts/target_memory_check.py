@@ -166,14 +166,15 @@ def main(argv=None) -> int:
       def forward(r, s):
         return target.features(*packed(r, s, min(a.docs, s), gen, target.info.vocab_size), layers)
 
-      if first:  # the first forward compiles (and autotunes) Triton kernels such as fla's
-        for what in ("first forward (kernel compilation and autotuning included)", "again"):
-          t0 = time.perf_counter()
-          forward(R, S)
-          torch.cuda.synchronize(dev)
-          print(f"  {R}x{S}, {a.docs} document(s) a row: {what}: {time.perf_counter() - t0:.2f} s")
-        first = False
       try:
+        if first:  # the first forward compiles (and autotunes) Triton kernels such as fla's
+          first = False
+          for what in ("first forward (kernel compilation and autotuning included)", "again"):
+            t0 = time.perf_counter()
+            forward(R, S)
+            torch.cuda.synchronize(dev)
+            print(f"  {R}x{S}, {a.docs} document(s) a row: {what}: "
+                  f"{time.perf_counter() - t0:.2f} s")
         (_, _, peak), = tm.measure_peaks(forward, [(R, S)], dev)
         measured = f"{peak / MIB:.1f} MiB"
         ratio = f"{peak / model.activation_bytes(R, S):.3f}"
