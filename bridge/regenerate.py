@@ -49,6 +49,10 @@ class Settings:
   seed: int = 0
   max_prompt_tokens: int | None = None   # a turn whose prompt is this long ends the conversation
   max_turns: int | None = None     # assistant turns regenerated per conversation (None = all)
+  # A turn that reaches max_new_tokens without its stop token: False ends the conversation there;
+  # True closes the turn with the template's end-of-turn token (outside the loss mask: the target
+  # did not write it) and goes on with the next user turn, so later turns are regenerated too.
+  close_cut_turns: bool = False
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -73,9 +77,18 @@ def target_fingerprint(model, tokenizer) -> str:
   return h.hexdigest()[:16]
 
 
+def _settings_dict(settings: Settings) -> dict:
+  """The settings that name a regeneration. close_cut_turns only when set: records made before it
+  existed (which ended every conversation at a cut turn) keep their keys."""
+  d = asdict(settings)
+  if not d["close_cut_turns"]:
+    del d["close_cut_turns"]
+  return d
+
+
 def regenerate_key(fingerprint: str, settings: Settings) -> str:
   """Names a regeneration (target + settings) for the data cache."""
-  return f"{fingerprint}:{json.dumps(asdict(settings), sort_keys=True)}"
+  return f"{fingerprint}:{json.dumps(_settings_dict(settings), sort_keys=True)}"
 
 
 @dataclass
@@ -107,7 +120,8 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
   todo = [i for i, k in enumerate(keys) if k not in cache]
   counts = stats if stats is not None else {}
   counts.update(conversations=len(conversations), cached=len(conversations) - len(todo),
-                skipped_long_prompt=0, cut_turns=0, generated_tokens=0, seconds=0.0)
+                skipped_long_prompt=0, cut_turns=0, closed_turns=0, generated_tokens=0,
+                seconds=0.0)
   log.info("regenerate: %d conversations, %d cached, %d to generate (target %s)",
            len(conversations), counts["cached"], len(todo), fingerprint)
   out = {i: cache[k] for i, k in enumerate(keys) if k in cache}
@@ -159,10 +173,12 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
           on_batch=on_batch)
       for k, new in results:
         c, (prompt_ids, segment_text) = waiting[k], prompts[k]
-        if _add_turn(tokenizer, c, prompt_ids, segment_text, new, stop):
+        left = len(c.turns) - 1
+        if _add_turn(tokenizer, c, prompt_ids, segment_text, new, stop, settings.close_cut_turns):
           nxt.append(c)
+          counts["closed_turns"] += bool(new) and new[-1] not in stop
         else:
-          counts["cut_turns"] += len(c.turns)
+          counts["cut_turns"] += left
           finish(c)
       live = nxt
   finally:
@@ -212,24 +228,47 @@ def _next_prompt(tokenizer, c: _Conv, settings: Settings):
   return ids, text
 
 
-def _add_turn(tokenizer, c: _Conv, prompt_ids, text, new: list[int], stop: set[int]) -> bool:
-  """Append a generated turn (exact ids). -> whether the conversation can continue."""
+def _add_turn(tokenizer, c: _Conv, prompt_ids, text, new: list[int], stop: set[int],
+              close_cut: bool = False) -> bool:
+  """Append a generated turn (exact ids). -> whether the conversation can continue. close_cut: a
+  turn cut at max_new_tokens is closed with the template's end-of-turn token, which is appended
+  after the span (not supervised: the target did not generate it)."""
   j = c.turns.pop(0)
   ended = bool(new) and new[-1] in stop
   content = tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
   c.messages[j] = {**c.messages[j], "content": content}
   c.spans.append([len(prompt_ids), len(prompt_ids) + len(new)])
   c.ids = list(prompt_ids) + list(new)
-  if not c.turns or not ended:  # a turn cut at max_new_tokens: what follows would be off-policy
-    c.turns = []
+  if not c.turns or not (ended or close_cut):
+    c.turns = []  # a cut turn ends the conversation unless it may be closed
     return False
-  # The text these ids render: the prompt's text, the content, then the stop token as text.
-  c.rendered = text + content + tokenizer.decode(new[-1:], skip_special_tokens=False)
   full = tokenizer.apply_chat_template(c.messages[:j + 1], tokenize=False)
+  if ended:
+    end_id = new[-1]
+  else:
+    end_id = _end_of_turn_id(tokenizer, full, text + content, stop)
+    if end_id is None:
+      c.turns = []
+      return False
+    c.ids.append(end_id)
+  # The text these ids render: the prompt's text, the content, then the stop token as text.
+  c.rendered = text + content + tokenizer.decode([end_id], skip_special_tokens=False)
   if not full.startswith(c.rendered):  # e.g. a template that strips or rewrites assistant turns
     c.turns = []
     return False
   return True
+
+
+def _end_of_turn_id(tokenizer, full: str, upto_content: str, stop: set[int]) -> int | None:
+  """The stop token the template writes right after an assistant turn's content (e.g. SmolLM2's
+  <|im_end|>), or None if the rendered turn does not continue with one."""
+  if not full.startswith(upto_content):
+    return None
+  tail = full[len(upto_content):]
+  for s in sorted(stop):
+    if tail.startswith(tokenizer.decode([s], skip_special_tokens=False)):
+      return s
+  return None
 
 
 def _check_target(tokenizer) -> None:
@@ -275,7 +314,8 @@ def cached_regenerator(tokenizer, settings: Settings, fingerprint: str, cache_pa
 
 
 def _key(conv: dict, fingerprint: str, settings: Settings) -> str:
-  blob = json.dumps([conv["id"], conv["messages"], fingerprint, asdict(settings)], sort_keys=True)
+  blob = json.dumps([conv["id"], conv["messages"], fingerprint, _settings_dict(settings)],
+                    sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()
 
 

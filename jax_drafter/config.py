@@ -252,6 +252,9 @@ class DataSection:
   regenerate: bool = False
   regenerate_max_new_tokens: int = 256
   regenerate_max_turns: int | None = None   # assistant turns per conversation (None = all)
+  # A turn that reaches regenerate_max_new_tokens unfinished: false ends its conversation there;
+  # true closes it with the end-of-turn token (not trained on) and regenerates the later turns too.
+  regenerate_close_cut_turns: bool = False
   regenerate_temperature: float = 0.0       # 0 = greedy (what temperature-0 evaluation decodes)
   # Answers per training conversation: the first at regenerate_temperature, the others sampled at
   # regenerate_sample_temperature (seeds seed+1, seed+2, ...). More of the target's own text from

@@ -623,6 +623,9 @@ def feature_cache_settings(cfg, layer_ids) -> dict:
       "data.regenerate_max_turns": d.regenerate_max_turns if regen else None,
       "data.regenerate_temperature": d.regenerate_temperature if regen else None,
       "data.regenerate_samples": d.regenerate_samples if regen and d.regenerate_samples > 1 else None,
+      # Named only when set, so caches written before the setting existed stay usable.
+      **({"data.regenerate_close_cut_turns": True} if regen and d.regenerate_close_cut_turns
+         else {}),
       "data.regenerate_sample_temperature": (d.regenerate_sample_temperature
                                              if regen and d.regenerate_samples > 1 else None),
   }

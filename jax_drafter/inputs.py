@@ -29,7 +29,9 @@ def check_inputs(cfg: RunConfig) -> None:
 class Regeneration(NamedTuple):
   fn: Callable[[list[dict]], list[dict]]      # conversations -> records (every answer)
   key: str                                    # names the target and the settings (data cache key)
-  first: Callable[[list[dict]], list[dict]]   # the first answer only (what validation uses)
+  first: Callable[[list[dict]], list[dict]]   # the first answer of each conversation only, greedy
+                                              # or as configured (validation: what evaluation
+                                              # decodes), whatever the training turns and samples
 
 
 def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict | None = None,
@@ -46,19 +48,24 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
       max_new_tokens=d.regenerate_max_new_tokens, temperature=d.regenerate_temperature,
       seed=d.seed, max_prompt_tokens=min(d.seq_len, target.info.max_position_embeddings
                                          - d.regenerate_max_new_tokens),
-      max_turns=d.regenerate_max_turns)
+      max_turns=d.regenerate_max_turns, close_cut_turns=d.regenerate_close_cut_turns)
   samples = [base] + [dataclasses.replace(base, temperature=d.regenerate_sample_temperature,
                                           seed=d.seed + i) for i in range(1, d.regenerate_samples)]
+  # Validation answers are what held-out evaluation decodes: the first answer of a conversation.
+  first = dataclasses.replace(base, max_turns=1, close_cut_turns=False)
   path = d.regenerate_path(cfg.train.output_dir)
   parts = [{} for _ in samples]       # each pass's counts (regenerate_conversations fills them)
   if fingerprint is not None:
-    made = [regen_lib.cached_regenerator(target.tokenizer, s, fingerprint, path) for s in samples]
+    made = [regen_lib.cached_regenerator(target.tokenizer, s, fingerprint, path)
+            for s in samples + [first]]
   else:
     fp = regen_lib.target_fingerprint(target.model, target.tokenizer)   # once for every pass
     made = [regen_lib.make_regenerator(
         target.model, target.tokenizer, s, fingerprint=fp, cache_path=path,
         batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
-        progress=progress, stats=part, cuda_graph=cuda_graph) for s, part in zip(samples, parts)]
+        progress=progress, stats=part, cuda_graph=cuda_graph)
+        for s, part in zip(samples + [first], parts + [{}])]
+  made, (first_fn, first_key) = made[:-1], made[-1]
 
   def fn(convs: list[dict]) -> list[dict]:
     records = []
@@ -77,7 +84,10 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
         else:                                 # counts, tokens, seconds
           stats[k] = sum(p[k] for p in parts)
     return records
-  return Regeneration(fn, "+".join(k for _, k in made), made[0][0])
+  key = "+".join(k for _, k in made)
+  if first_key != made[0][1]:     # the validation answers' settings name the data too
+    key += "|validation:" + first_key
+  return Regeneration(fn, key, first_fn)
 
 
 def setup(cfg: RunConfig, *, progress: bool = False):

@@ -93,9 +93,10 @@ def main(argv=None) -> int:
   rate = new / stats["seconds"] if stats["seconds"] else 0.0
   summary = {"file": path, "records": len(records), **stats, "generated_tokens_per_s": rate}
   log.info("%d conversations in %s (%d were cached); generated %d tokens in %.1f s = %.0f tokens/s;"
-           " skipped %d with too long a prompt; %d later turns cut", len(records), path,
+           " skipped %d with too long a prompt; %d later turns not generated after a turn cut at"
+           " the token limit; %d cut turns closed and continued", len(records), path,
            stats["cached"], new, stats["seconds"], rate, stats["skipped_long_prompt"],
-           stats["cut_turns"])
+           stats["cut_turns"], stats.get("closed_turns", 0))
   if args.out:
     log.info("train on it with: data.regenerate=true data.regenerate_file=%s (same settings)", path)
   if args.json:

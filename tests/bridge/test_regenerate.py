@@ -103,6 +103,38 @@ def test_multi_turn_continues_from_the_exact_ids(model, tok, monkeypatch):
       rec["assistant_spans"][:1]
 
 
+def test_cut_turns_end_the_conversation_or_are_closed_and_continued(model, tok, monkeypatch):
+  """A turn that reaches max_new_tokens unfinished ends its conversation (default); with
+  close_cut_turns it is closed with the template's end-of-turn token, appended outside the loss
+  mask (the target did not write it), and the next turn is the greedy output given those ids."""
+  stop = {tok.eos_token_id}
+  plain = rg.regenerate_conversations(model, tok, CONVS[1:2], _settings(max_new_tokens=2),
+                                      cache_path=None, progress=False, stats=(counts := {}))[0]
+  cut = plain["input_ids"][slice(*plain["assistant_spans"][0])]
+  assert cut[-1] not in stop and len(cut) == 2      # the random model's 2 tokens: no stop token
+  assert len(plain["assistant_spans"]) == 1 and counts["cut_turns"] == 1
+
+  rec = rg.regenerate_conversations(model, tok, CONVS[1:2],
+                                    _settings(max_new_tokens=2, close_cut_turns=True),
+                                    cache_path=None, progress=False, stats=(counts := {}))[0]
+  (a0, b0), (a1, b1) = rec["assistant_spans"]
+  assert rec["input_ids"][:b0] == plain["input_ids"]
+  assert rec["input_ids"][b0] == tok.eos_token_id    # the closing token, outside both spans
+  assert rec["input_ids"][a1:b1] == _greedy(model, rec["input_ids"][:a1], stop, 2)
+  # The first turn was closed; the last one is cut too, but nothing follows it to continue.
+  assert counts["closed_turns"] == 1 and counts["cut_turns"] == 0
+  assert rec["input_ids"][-1] != tok.eos_token_id
+  # The ids are the template's rendering of the record's messages (prefix-stable, nothing re-encoded).
+  full = tok.apply_chat_template(rec["messages"], tokenize=False)
+  assert full.startswith(tok.decode(rec["input_ids"]))
+  assert "Another?" in tok.decode(rec["input_ids"][b0:a1])
+  # Different settings, different records: the cache keys tell them apart; records made before
+  # the setting existed keep their keys.
+  conv = CONVS[1]
+  assert rg._key(conv, "fp", _settings()) != rg._key(conv, "fp", _settings(close_cut_turns=True))
+  assert "close_cut_turns" not in rg.regenerate_key("fp", _settings())
+
+
 def test_generated_ids_are_kept_even_when_text_would_re_encode_differently(model, tok, monkeypatch):
   """SmolLM2's "\\n\\n" is one token (1116) that re-encodes as two "\\n" (198): ids must survive."""
   answer = [1116, tok("Hi", add_special_tokens=False)["input_ids"][0], tok.eos_token_id]

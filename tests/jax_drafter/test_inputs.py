@@ -1,0 +1,39 @@
+"""inputs.setup: what a run trains and validates on, with regeneration of every turn."""
+
+import numpy as np
+
+from jax_drafter import inputs
+from tests.tiny_fixtures import tiny_run_config
+
+
+def _answers_per_document(rows) -> list[int]:
+  """Supervised stretches (answers) of each packed document."""
+  counts = []
+  for mask, doc in zip(rows["loss_mask"], rows["doc_id"]):
+    for d in np.unique(doc[doc >= 0]):
+      m = mask[doc == d]
+      counts.append(int(m[0] + np.sum((m[1:] == 1) & (m[:-1] == 0))))
+  return counts
+
+
+def test_every_turn_trains_while_validation_keeps_the_first_answer(tiny_target_dir, sharegpt_sample,
+                                                                   tmp_path):
+  """data.regenerate_max_turns=null with regenerate_close_cut_turns: the tiny target's answers
+  are all cut at 3 tokens, closed and continued, so the training documents hold several answers;
+  the validation documents hold the first answer only (what held-out evaluation decodes)."""
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "run"),
+                        "data.regenerate=true", "data.regenerate_max_new_tokens=3",
+                        "data.regenerate_max_turns=null", "data.regenerate_close_cut_turns=true",
+                        "data.seq_len=512", "data.validation=6", f"data.cache_dir={tmp_path}")
+  _, _, ds = inputs.setup(cfg)
+  train = _answers_per_document(ds.rows)
+  assert max(train) >= 3 and sum(train) > len(train)
+  assert set(_answers_per_document(ds.val_rows)) == {1}
+  # Without closing, the first cut answer ends every conversation.
+  plain = tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "run2"),
+                          "data.regenerate=true", "data.regenerate_max_new_tokens=3",
+                          "data.regenerate_max_turns=null", "data.seq_len=512",
+                          "data.validation=6", f"data.cache_dir={tmp_path}")
+  _, _, ds2 = inputs.setup(plain)
+  assert set(_answers_per_document(ds2.rows)) == {1}
+  np.testing.assert_array_equal(ds2.val_rows["input_ids"], ds.val_rows["input_ids"])
