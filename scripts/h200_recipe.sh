@@ -1,70 +1,99 @@
 #!/usr/bin/env bash
-# The GPU recipe (configs/smollm2-h200.yaml) on one lent H200, in device calls of at most 10
-# minutes. The SmolLM2 GGUF (98 MB) exceeds one call's 64 MiB, so it travels in two halves:
-# .gpu_a/gguf.part0 (call "stage") and .gpu_b/gguf.part1 (call "recipe"); /tmp/dflash keeps the
-# first half, the caches and the run while the machine stays warm between calls (~30 s idle).
-# The greedy answers regenerated on 2026-11-30 travel in .gpu_c (regeneration is keyed, so they
-# are reused, not generated again). Wheels missing there (gguf, tensorboardX) travel in .whl.
-# Prepare the folders here with:
-#   split -b 49181216 <the GGUF> /tmp/gguf_part_ && cp /tmp/gguf_part_aa .gpu_a/gguf.part0 &&
-#   cp /tmp/gguf_part_ab .gpu_b/gguf.part1
-#   python scripts/first_turns.py sharegpt /tmp/f.jsonl && gzip -9c /tmp/f.jsonl > .gpu_a/sharegpt_first_turns.jsonl.gz
-#   (+ .gpu_a/smollm2_cfg: the GGUF target's config.json and tokenizer files, save_pretrained)
-# Parts (run back to back):
-#   stage    copies the first half of the GGUF and the data to /tmp/dflash
-#   recipe   joins the GGUF, regenerates what is not cached yet (the sampled answers of
-#            data.regenerate_samples), then trains for what is left of the call (no evaluation)
-#   resume   continues the run from its checkpoint and evaluates held-out tau where it stops
-# Environment: EXTRA (config overrides for the run), LIMIT (the call's seconds, default 585),
-# EVAL_S (seconds kept for the evaluation in "resume", default 260: 32 prompts took ~200 s on 2026-12-01).
+# The GPU recipe (configs/smollm2-h200.yaml) on one lent H200 as ONE pipeline (regenerate, train,
+# evaluate) that outlives the device calls of at most 10 minutes: it runs in its own process
+# session on the machine, and each call watches it until the call's end. The machine stays warm
+# for ~30 s between calls, so the next call must follow at once; /tmp/dflash keeps everything.
+#
+# The SmolLM2 GGUF (98 MB) exceeds one call's 64 MiB, so it travels in two halves:
+# .gpu_a/gguf.part0 (call "stage") and .gpu_b/gguf.part1 (call "launch"). Wheels missing there
+# (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
+#   split -b 49181216 <the GGUF> /tmp/gguf_part_ && mv /tmp/gguf_part_aa .gpu_a/gguf.part0 &&
+#   mv /tmp/gguf_part_ab .gpu_b/gguf.part1
+#   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_a/sharegpt_user_turns.jsonl.gz
+# Calls (back to back, each with timeout_s=600):
+#   stage    carry .gpu_a and .whl: wheels, the GGUF's first half and the data to /tmp/dflash
+#   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
+#   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
+# Each call copies the logs, metrics and results written so far to $OUT.
+# Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
+# pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
+# (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
+# default 580).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 D=/tmp/dflash
-mkdir -p "$OUT" "$D"
+L=$D/logs
+mkdir -p "$OUT" "$D" "$L"
 T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false HF_HUB_OFFLINE=1
-run() { echo "=== [$(date +%T)] $*"; "$@"; }
+export PYTHONPATH=/tmp/site:$D/src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false HF_HUB_OFFLINE=1
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 RUN=$D/runs/recipe
 COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf_file=$GGUF"
-        "data.path=$D/sharegpt_first_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
-left() { echo $(( ${LIMIT:-585} - ($(date +%s) - T0) )); }
+        "data.path=$D/sharegpt_user_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
+left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
+stamp() { echo "=== [$(date +%T)] $*"; }
+
+collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back)
+  for f in pipeline.log regen.log regen.json train.log eval.log eval.json; do
+    [ -f "$L/$f" ] && cp "$L/$f" "$OUT/"
+  done
+  [ -f "$RUN/metrics.jsonl" ] && gzip -c "$RUN/metrics.jsonl" > "$OUT/metrics.jsonl.gz"
+}
+
+watch() {
+  while [ ! -f "$D/DONE" ] && [ "$(left)" -gt 25 ]; do
+    sleep 20
+    f=$(ls -t "$L"/regen.log "$L"/train.log "$L"/eval.log 2>/dev/null | head -n 1)
+    line=$(tr '\r' '\n' < "${f:-$L/pipeline.log}" 2>/dev/null | grep -v '^\s*$' | tail -n 1 | cut -c1-220)
+    echo "[$(date +%T)] ${f##*/}: $line"
+  done
+  collect
+  if [ -f "$D/DONE" ]; then echo "pipeline done: $(cat "$D/DONE")"; else echo "pipeline still running"; fi
+  grep -h -E "regenerate: [0-9]+ tokens|validation \(|time budget|held-out|tau |lossless|rror" \
+      "$L"/regen.log "$L"/train.log "$L"/eval.log 2>/dev/null | tail -n 12
+}
 
 case "${1:-}" in
   stage)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
     cp .gpu_a/gguf.part0 "$D/gguf.part0"
-    gunzip -c .gpu_a/sharegpt_first_turns.jsonl.gz > "$D/sharegpt_first_turns.jsonl"
+    gunzip -c .gpu_a/sharegpt_user_turns.jsonl.gz > "$D/sharegpt_user_turns.jsonl"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
-  recipe)
-    [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_first_turns.jsonl" ] || {
+  launch)
+    [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
       echo "no $D/gguf.part0: the machine went cold; run 'stage' first"; exit 3; }
     mkdir -p "$D/smollm2" "$D/cache"
     cat "$D/gguf.part0" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
-    [ -f "$D/cache/regenerated.jsonl" ] || [ ! -f .gpu_c/regenerated.jsonl.gz ] || gunzip -c .gpu_c/regenerated.jsonl.gz > "$D/cache/regenerated.jsonl"
-    wc -l "$D/cache/regenerated.jsonl"
-    run timeout 300 python3 -m jax_drafter.regenerate "${COMMON[@]}" ${EXTRA:-} \
-        --json "$OUT/regen.json" --quiet > "$OUT/regen.log" 2>&1
-    tail -n 4 "$OUT/regen.log"
-    # Brought back so that a cold machine need not regenerate: gzip, in 15 MB pieces.
-    gzip -c "$D/cache/regenerated.jsonl" | split -b 15000000 - "$OUT/regenerated.jsonl.gz."
-    MIN=$(python3 -c "print(max(0.5, ($(left) - 75) / 60))")
-    echo "training for $MIN minutes"
-    run timeout $(( $(left) - 5 )) python3 -m jax_drafter.train "${COMMON[@]}" train.eval_prompts=0 \
-        ${EXTRA:-} --max-minutes "$MIN" --quiet --no-export > "$OUT/train.log" 2>&1 ;;
-  resume)
-    [ -d "$RUN/checkpoints" ] || { echo "no $RUN/checkpoints: the machine went cold"; exit 3; }
-    MIN=$(python3 -c "print(max(0.5, ($(left) - ${EVAL_S:-260} - 60) / 60))")
-    echo "training for $MIN minutes, then the held-out evaluation"
-    run timeout $(( $(left) - 5 )) python3 -m jax_drafter.train "${COMMON[@]}" ${EXTRA:-} \
-        --max-minutes "$MIN" --quiet > "$OUT/train-resume.log" 2>&1
-    ls "$RUN" "$RUN/best" 2>/dev/null ;;
-  *) echo "usage: $0 stage|recipe|resume"; exit 2 ;;
+    rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
+    cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
+    EXTRA=${EXTRA:-} BUDGET_S=${BUDGET_S:-1140} EVAL_ARGS=${EVAL_ARGS:-} setsid nohup bash "$D/src/scripts/h200_recipe.sh" \
+        pipeline > "$L/pipeline.log" 2>&1 < /dev/null &
+    sleep 2; watch ;;
+  watch)
+    [ -d "$D/src" ] || { echo "no pipeline on this machine: it went cold"; exit 3; }
+    watch ;;
+  pipeline)   # runs in $D/src, in its own session
+    P0=$(date +%s)
+    stamp "regenerate"
+    timeout 900 python3 -m jax_drafter.regenerate "${COMMON[@]}" ${EXTRA:-} \
+        --json "$L/regen.json" --quiet > "$L/regen.log" 2>&1
+    rc=$?; tail -n 3 "$L/regen.log"
+    [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$D/DONE"; exit 1; }
+    MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 75) / 60))")
+    stamp "train for $MIN minutes"
+    python3 -m jax_drafter.train "${COMMON[@]}" train.eval_prompts=0 ${EXTRA:-} \
+        --max-minutes "$MIN" --quiet > "$L/train.log" 2>&1
+    rc=$?; tail -n 3 "$L/train.log"
+    stamp "regeneration + training took $(( $(date +%s) - P0 )) s (train rc=$rc)"
+    [ $rc -eq 0 ] || { echo "train rc=$rc" > "$D/DONE"; exit 1; }
+    stamp "evaluate"
+    python3 -m jax_drafter.evaluate --run-dir "$RUN" --target-path "$D/smollm2" --gguf-file "$GGUF" \
+        ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
+    rc=$?; tail -n 12 "$L/eval.log"
+    echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$D/DONE" ;;
+  *) echo "usage: $0 stage|launch|watch"; exit 2 ;;
 esac
-if [ -f "$RUN/metrics.jsonl" ]; then
-  cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl"
-  grep -h -E "step [0-9]+/|validation|tau |lossless|near-tie|rror|time budget|resumed" "$OUT"/train*.log | tail -n 14
-fi
 echo "part took $(( $(date +%s) - T0 )) s"
