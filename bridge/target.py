@@ -209,12 +209,34 @@ class FeatureCache:
   content (ids, positions, document ids): a small dataset trained for many epochs pays for each
   row's target forward once. On a CPU that forward is most of a step (SmolLM2-135M: ~140 GFLOP
   for 4 x 256 tokens against ~80 for the drafter's LM head). Rows beyond `max_bytes` are not
-  kept and are computed every time. Drop-in for `Target.stacked_features`."""
+  kept and are computed every time. Drop-in for `Target.stacked_features`.
 
-  def __init__(self, target: "Target", max_bytes: float):
-    self.target, self.max_bytes = target, max_bytes
+  On a GPU the cache also stops growing while the device has less than `reserve` of its memory
+  free (default 10%): the drafter's JAX allocator shares the device and grows on its own (a
+  cache that took memory unasked ended a run out of memory at 50 of 80 GiB). `free_memory`:
+  () -> (free, total) bytes of the device, for tests; default torch.cuda.mem_get_info."""
+
+  def __init__(self, target: "Target", max_bytes: float, *, reserve: float = 0.10,
+               free_memory=None):
+    self.target, self.max_bytes, self.reserve = target, max_bytes, reserve
+    if free_memory is None and target.device.type == "cuda":
+      free_memory = lambda: torch.cuda.mem_get_info(target.device)
+    self.free_memory = free_memory
     self.rows: dict[bytes, torch.Tensor] = {}
     self.bytes, self.hits, self.misses, self.full = 0, 0, 0, False
+
+  def _room(self, nbytes: int, taken: int) -> str | None:
+    """None if a row of nbytes may be kept, else why not. taken: bytes kept since the device's
+    free memory was last read (the probe is read once per step)."""
+    if self.bytes + nbytes > self.max_bytes:
+      return f"full at {self.bytes / 2**30:.2f} GiB (raise target.feature_cache_gib)"
+    if self.free_memory is not None:
+      free, total = self._probe
+      free -= taken
+      if free - nbytes < self.reserve * total:
+        return (f"stopped at {self.bytes / 2**30:.2f} GiB: the device has {free / 2**30:.1f} of "
+                f"{total / 2**30:.1f} GiB free, and {self.reserve:.0%} stays free for the drafter")
+    return None
 
   @property
   def device(self) -> torch.device:
@@ -245,15 +267,21 @@ class FeatureCache:
         out[i].copy_(self.rows[k])
       elif first[k] != i:                         # a row seen twice in one step runs once
         out[i].copy_(out[first[k]])
+    if todo and not self.full and self.free_memory is not None:
+      self._probe = self.free_memory()
+    taken = 0
     for i in todo:
+      if self.full:
+        break
       f = out[i]
-      if self.bytes + f.numel() * f.element_size() <= self.max_bytes:
+      why = self._room(f.numel() * f.element_size(), taken)
+      if why is None:
         self.rows[keys[i]] = f.clone()  # its own storage, not a view of the batch
         self.bytes += f.numel() * f.element_size()
-      elif not self.full:
+        taken += f.numel() * f.element_size()
+      else:
         self.full = True
-        log.warning("target feature cache full at %.2f GiB: further rows are computed every "
-                    "step (raise target.feature_cache_gib)", self.bytes / 2**30)
+        log.warning("target feature cache %s; the rows not in it are computed every step", why)
     self.misses += len(todo)
     self.hits += len(keys) - len(todo)
     return out.view(A, B, S, -1)

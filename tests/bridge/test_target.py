@@ -97,6 +97,34 @@ def test_feature_cache_equals_the_target_and_runs_each_row_once(tiny, monkeypatc
   assert small.full and not small.rows
 
 
+def test_feature_cache_leaves_the_device_memory_it_was_not_given(tiny):
+  """On a GPU the cache stops growing once less than its reserve of device memory is free, even
+  below max_bytes (the drafter's allocator shares the device); the rows it does not keep still
+  come out right."""
+  import numpy as np
+  from bridge.target import FeatureCache
+  rng = np.random.default_rng(1)
+  rows = [{"input_ids": rng.integers(0, 1000, (2, 9)).astype(np.int32),
+           "position_ids": np.tile(np.arange(9, dtype=np.int32), (2, 1)),
+           "doc_id": np.zeros((2, 9), np.int32)} for _ in range(3)]
+  row_bytes = tiny.stacked_features([rows[0]], [0, 2])[0, 0].nbytes
+  total = 100 * row_bytes
+  free = {"bytes": 13 * row_bytes}       # 10% (10 rows' worth) must stay free: room for 3 rows
+
+  def probe():
+    return free["bytes"], total
+
+  cache = FeatureCache(tiny, max_bytes=1 << 30, free_memory=probe)
+  out = []
+  for m in rows:
+    out.append(cache.stacked_features([m], [0, 2]))
+    free["bytes"] -= 2 * row_bytes       # what the kept rows took
+  assert len(cache.rows) == 3 and cache.full     # 2 rows, then 1, then no room
+  for m, o in zip(rows, out):
+    torch.testing.assert_close(o, tiny.stacked_features([m], [0, 2]))
+    torch.testing.assert_close(cache.stacked_features([m], [0, 2]), o)
+
+
 def test_config_numbers_read_through_float32_are_written_as_decimals():
   import numpy as np
   from bridge.target import _decimal
