@@ -10,6 +10,7 @@ implementation:
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ import numpy as np
 from pallas_kernels.dflash_attention import reference
 
 IMPLEMENTATIONS = ("reference", "xla", "triton")
+log = logging.getLogger(__name__)
+_warned: set[str] = set()   # fallback reasons already reported (once per process each)
 
 
 def _check(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size, window):
@@ -99,9 +102,13 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
       return triton.dflash_attention_triton(
           q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
           window=window, scale=scale, interpret=interpret, backward=backward)
-    except (ImportError, NotImplementedError):
+    except (ImportError, NotImplementedError) as e:
       if implementation is not None:
         raise
+      if str(e) not in _warned:  # a silent fallback would hide a many-fold cost in memory
+        _warned.add(str(e))
+        log.warning("dflash_attention: the Pallas kernel does not take these inputs (%s); "
+                    "using the dense XLA path, which holds [queries, keys] score matrices", e)
       impl = "xla"
   if impl == "reference":
     fn = functools.partial(reference.dflash_attention_reference, compute_dtype=jnp.float32,

@@ -523,24 +523,38 @@ def dflash_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, b
   """The Pallas-Triton DFlash attention (see api.dflash_attention for the contract).
 
   backward: None or "triton" (the Pallas kernels), "reference" (jax.vjp of reference.py).
-  Raises NotImplementedError for shapes the kernels do not cover (the caller may fall back).
+  Any group size and head size run on the kernels, which fold a power-of-two number of query
+  heads into a tile's rows and need a power-of-two head size >= 16:
+    * G = Hq // Hkv is split as g * r with g its largest power-of-two divisor: each KV head is
+      repeated r times, so every repeat serves g query heads (SmolLM2's 9/3 heads: g 1, r 3); the
+      repeat's VJP sums the r partial dK/dV, so gradients are exact;
+    * a head size D that is not a power of two >= 16 is zero-padded (q.k and the output's first
+      D dims are unchanged; the softmax scale stays D ** -0.5).
+  Raises NotImplementedError only for mixed input dtypes (the caller may fall back).
   """
   B, Q, Hq, D = q.shape
   Hkv = k_ctx.shape[2]
-  G = Hq // Hkv
-  if not config_lib.is_pow2(G):
-    raise NotImplementedError(f"query heads per KV head G={G} must be a power of two")
-  if not config_lib.is_pow2(D) or D < 16:
-    raise NotImplementedError(f"head_dim={D} must be a power of two >= 16")
+  if Hq % Hkv:
+    raise ValueError(f"query heads {Hq} must be a multiple of the KV heads {Hkv}")
   if len({x.dtype for x in (q, k_ctx, v_ctx, k_blk, v_blk)}) != 1:
     raise NotImplementedError("q, k_ctx, v_ctx, k_blk, v_blk must share one dtype")
   if backward not in (None, "triton", "reference"):
     raise ValueError(f"backward={backward!r} must be None, 'triton' or 'reference'")
+  scale = float(D ** -0.5 if scale is None else scale)
+  G = Hq // Hkv
+  r = G // (G & -G)                    # G = g * r, g = G & -G the largest power-of-two divisor
+  kv = (k_ctx, v_ctx, k_blk, v_blk)
+  if r > 1:                            # KV head j // r serves query heads [j * g, (j + 1) * g)
+    kv = tuple(jnp.repeat(x, r, axis=2) for x in kv)
+  Dp = max(16, _next_pow2(D))
+  if Dp != D:
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
+    q, kv = pad(q), tuple(pad(x) for x in kv)
   if config is None:
-    config = config_lib.default_config(head_dim=D, dtype_bytes=q.dtype.itemsize,
+    config = config_lib.default_config(head_dim=Dp, dtype_bytes=q.dtype.itemsize,
                                        interpret=interpret)
-  st = _Static(block_size=block_size, window=window,
-               scale=float(D ** -0.5 if scale is None else scale), interpret=interpret,
+  st = _Static(block_size=block_size, window=window, scale=scale, interpret=interpret,
                backward=backward, config=config)
-  return _dflash(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32),
-                 doc_start.astype(jnp.int32), block_valid.astype(jnp.bool_), st)
+  out = _dflash(q, *kv, anchors.astype(jnp.int32), doc_start.astype(jnp.int32),
+                block_valid.astype(jnp.bool_), st)
+  return out[..., :D] if Dp != D else out

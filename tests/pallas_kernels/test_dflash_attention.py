@@ -59,6 +59,10 @@ CASES = [
     Case(block_size=10, hq=4, hkv=1, dtype="bfloat16", blocks=3, seq_len=50, anchors="edges"),
     Case(block_size=8, window=24, hq=4, hkv=1, blocks=6, seq_len=100, docs=4),
     Case(block_size=16, hq=8, hkv=2, dtype="bfloat16", head_dim=128, batch=2, invalid_row=True),
+    # Groups that are not a power of two (SmolLM2's 9 query heads over 3 KV heads: G = 3 = 1 x 3
+    # repeats; G = 6 = 2 x 3) and a head size that is not one (80: zero-padded to 128).
+    Case(hq=9, hkv=3, window=24, anchors="edges"),
+    Case(block_size=8, hq=6, hkv=1, head_dim=80, dtype="bfloat16", blocks=3, seq_len=60),
 ]
 # Larger shapes where the kernels are compiled natively (fast on a GPU).
 GPU_CASES = [
@@ -67,6 +71,7 @@ GPU_CASES = [
     Case(hq=8, hkv=2, head_dim=128, dtype="bfloat16", blocks=64, seq_len=1500, docs=2),
     Case(block_size=10, window=100, hq=4, hkv=4, head_dim=64, dtype="float32", blocks=40,
          seq_len=700, anchors="edges"),
+    Case(hq=9, hkv=3, head_dim=64, dtype="bfloat16", batch=2, blocks=64, seq_len=1500, docs=4),
 ]
 
 
@@ -210,13 +215,13 @@ def test_forward_kernel_with_reference_backward():
     _assert_close(a, b, what="grad", **TOLERANCES["float32"])
 
 
-@pytest.mark.parametrize("block_size,head_dim,window", [(16, 128, 2048), (10, 64, None),
-                                                         (8, 256, 64)])
-def test_lowers_for_cuda(block_size, head_dim, window):
+@pytest.mark.parametrize("block_size,head_dim,window,Hq,Hkv", [
+    (16, 128, 2048, 8, 2), (10, 64, None, 8, 2), (8, 256, 64, 8, 2), (16, 64, None, 9, 3)])
+def test_lowers_for_cuda(block_size, head_dim, window, Hq, Hkv):
   """Lowering-only check on CPU: Pallas -> Triton IR for CUDA with the H200 tiles, forward and
   backward. Power-of-two violations and ops without a Triton lowering fail here, in CI. (The
   Triton -> PTX compile itself needs the GPU toolchain and runs in the gpu tests.)"""
-  B, N, S, Hq, Hkv = 1, 8, 300, 8, 2
+  B, N, S = 1, 8, 300
   sd = jax.ShapeDtypeStruct
   bf = jnp.bfloat16
   args = (sd((B, N * block_size, Hq, head_dim), bf), sd((B, S, Hkv, head_dim), bf),
@@ -248,14 +253,27 @@ def test_visible_pairs_counts_the_mask(case):
   assert reference.visible_pairs(anchors, doc_start, valid, **kw) == dense
 
 
-def test_unsupported_shapes_raise():
-  case = Case(hq=6, hkv=2)  # G = 3: not a power of two
+def test_every_group_and_head_size_runs_on_the_kernels(monkeypatch, caplog):
+  """G = 3 and head size 80 take the kernels (no silent dense fallback: that path holds the full
+  [Q, S] score matrices, and a recipe with SmolLM2's 9/3 heads ran on it unnoticed); the only
+  unsupported input, mixed dtypes, raises for implementation="triton" and falls back to XLA with
+  a warning for the default implementation."""
+  case = Case(hq=6, hkv=2, head_dim=80)
   x, idx = make_inputs(case)
-  with pytest.raises(NotImplementedError, match="G=3"):
-    api.dflash_attention(*x, *idx, block_size=16, implementation="triton", interpret=True)
-  # implementation=None falls back to XLA for such shapes.
-  out = api.dflash_attention(*x, *idx, block_size=16)
+  calls = []
+  real = dflash_triton._dflash
+  monkeypatch.setattr(dflash_triton, "_dflash", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+  api.dflash_attention(*x, *idx, block_size=16, implementation="triton", interpret=True)
+  assert calls == [(1, 64, 6, 128)]            # heads as given, head size padded to 128
+  mixed = (x[0].astype(jnp.bfloat16),) + x[1:]
+  with pytest.raises(NotImplementedError, match="dtype"):
+    api.dflash_attention(*mixed, *idx, block_size=16, implementation="triton", interpret=True)
+  monkeypatch.setattr(api, "default_implementation", lambda: "triton")
+  api._warned.clear()
+  with caplog.at_level("WARNING"):
+    out = api.dflash_attention(*mixed, *idx, block_size=16)
   assert out.shape == x[0].shape
+  assert "dense XLA path" in caplog.text and "dtype" in caplog.text
 
 
 def test_visible_keys_hand_counted():
