@@ -12,6 +12,7 @@
 #   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_a/sharegpt_user_turns.jsonl.gz
 # Calls (back to back, each with timeout_s=600):
 #   stage    carry .gpu_a and .whl: wheels, the GGUF's first half and the data to /tmp/dflash
+#            (then STAGE_CHECKS="part ..." of scripts/h200_checks.sh, if set)
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
 # Each call copies the logs, metrics and results written so far to $OUT.
@@ -60,7 +61,9 @@ case "${1:-}" in
         --target /tmp/site .whl/*.whl || exit 1
     cp .gpu_a/gguf.part0 "$D/gguf.part0"
     gunzip -c .gpu_a/sharegpt_user_turns.jsonl.gz > "$D/sharegpt_user_turns.jsonl"
-    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    # The rest of this call's time can serve other GPU checks (e.g. STAGE_CHECKS=kernel-tests).
+    [ -z "${STAGE_CHECKS:-}" ] || OUT=$OUT LIMIT=$(( $(left) - 10 )) bash scripts/h200_checks.sh $STAGE_CHECKS ;;
   launch)
     [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
       echo "no $D/gguf.part0: the machine went cold; run 'stage' first"; exit 3; }

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.dflash_attention import bench as kernel_bench
-from pallas_kernels.dflash_attention.bench import BLOCK, GIB, HEAD_DIM, Row
+from pallas_kernels.dflash_attention.bench import BLOCK, GIB, Row
 from pallas_kernels.timing import median_seconds
 
 
@@ -33,7 +33,7 @@ def bench_flex(xs, idx, *, window, flops_fwd, shape, reps):
                             .to(torch.bfloat16).requires_grad_() for x in xs)
   anchors, doc_start, valid = (torch.from_numpy(np.array(v)).to(dev) for v in idx)
   S = tkc.shape[1]
-  kw = dict(block_size=BLOCK, window=window, scale=HEAD_DIM ** -0.5)
+  kw = dict(block_size=BLOCK, window=window, scale=tq.shape[-1] ** -0.5)
 
   def timed(fn, backward: bool):
     """Wall time with a device sync, as the JAX rows are timed (launch overhead included)."""

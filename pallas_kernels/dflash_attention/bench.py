@@ -66,7 +66,7 @@ HEADER = (f"{'impl':12s} {'layer':8s} {'S/N':12s} {'fwd ms':>9s} {'TF/s':>6s} {'
           f"{'TF/s':>6s} {'mem GiB':>8s}  note")
 
 
-def make_problem(S: int, N: int, seed: int = 0):
+def make_problem(S: int, N: int, seed: int = 0, *, heads=(HQ, HKV), head_dim: int = HEAD_DIM):
   """One row, one document, N distinct sorted anchors, random bf16 q/k/v (never zeros)."""
   rng = np.random.default_rng(seed)
   anchors = np.sort(rng.choice(np.arange(1, S), N, replace=False))[None].astype(np.int32)
@@ -74,8 +74,8 @@ def make_problem(S: int, N: int, seed: int = 0):
   valid = np.ones_like(anchors, bool)
   keys = jax.random.split(jax.random.PRNGKey(seed), 5)
   Q = N * BLOCK
-  shapes = ((1, Q, HQ, HEAD_DIM), (1, S, HKV, HEAD_DIM), (1, S, HKV, HEAD_DIM),
-            (1, Q, HKV, HEAD_DIM), (1, Q, HKV, HEAD_DIM))
+  (hq, hkv), d = heads, head_dim
+  shapes = ((1, Q, hq, d), (1, S, hkv, d), (1, S, hkv, d), (1, Q, hkv, d), (1, Q, hkv, d))
   xs = tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes))
   return xs, (anchors, doc_start, valid)
 
@@ -111,15 +111,16 @@ def bench_jax(impl: str, name: str, xs, idx, *, window, flops_fwd, shape, reps, 
                                                 shape), reps)
 
 
-def bench_cudnn(S: int, N: int, reps: int):
+def bench_cudnn(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HEAD_DIM):
   T = N * BLOCK
+  (hq, hkv), d = heads, head_dim
   keys = jax.random.split(jax.random.PRNGKey(2), 4)
-  q = jax.random.normal(keys[0], (1, T, HQ, HEAD_DIM), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, T, HKV, HEAD_DIM), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, T, HKV, HEAD_DIM), jnp.bfloat16)
+  q = jax.random.normal(keys[0], (1, T, hq, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, T, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, T, hkv, d), jnp.bfloat16)
   attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                       implementation="cudnn")
-  flops = 4 * HEAD_DIM * HQ * T * (T + 1) / 2
+  flops = 4 * d * hq * T * (T + 1) / 2
   return bench_jax_fn(attn, (q, k, v), flops, Row("cudnn-causal", f"T={T}", f"{S}x{N}"), reps)
 
 
@@ -164,6 +165,8 @@ def main(argv=None, torch_rows=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shapes", default=",".join(f"{s}x{n}" for s, n in SHAPES))
   p.add_argument("--layers", default="sliding,full")
+  p.add_argument("--heads", default=f"{HQ}/{HKV}", help="query/KV heads, e.g. 9/3 (SmolLM2)")
+  p.add_argument("--head-dim", type=int, default=HEAD_DIM)
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows, where there are "
                  "any (bridge.twin.bench_attention)")
@@ -178,6 +181,9 @@ def main(argv=None, torch_rows=None):
   t0 = time.perf_counter()
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   cfg = None if args.config == "default" else TUNE_VARIANTS[args.config]
+  heads = tuple(int(h) for h in args.heads.split("/"))
+  hq, d = heads[0], args.head_dim
+  shape_kw = dict(heads=heads, head_dim=d)
   rows, problems = [], []
 
   def emit(r):
@@ -188,13 +194,13 @@ def main(argv=None, torch_rows=None):
   # Phase 1: the Pallas kernel on every shape (and tuning variants on the first problem).
   for shape in args.shapes.split(","):
     S, N = (int(v) for v in shape.split("x"))
-    xs, idx = make_problem(S, N)
+    xs, idx = make_problem(S, N, **shape_kw)
     ideal = sum(x.size * x.dtype.itemsize for x in xs) * 2 + xs[0].size * 2 * 2
     print(f"# {shape}: ideal fwd+bwd memory (inputs + grads + out + dout) {ideal / GIB:.2f} GiB",
           flush=True)
     for layer in args.layers.split(","):
       window = WINDOW if layer == "sliding" else None
-      flops = 4 * HEAD_DIM * HQ * reference.visible_pairs(*idx, block_size=BLOCK, window=window)
+      flops = 4 * d * hq * reference.visible_pairs(*idx, block_size=BLOCK, window=window)
       common = dict(window=window, flops_fwd=flops, shape=shape, reps=args.reps)
       problems.append((S, N, layer, xs, idx, common))
       tune = args.tune.split(",") if args.tune and len(problems) == 1 else []
@@ -208,7 +214,7 @@ def main(argv=None, torch_rows=None):
   over = lambda: time.perf_counter() - t0 > args.budget_s
   for S, N in dict.fromkeys((S, N) for S, N, *_ in problems):
     if not over():
-      emit(bench_cudnn(S, N, args.reps))
+      emit(bench_cudnn(S, N, args.reps, **shape_kw))
   for S, N, layer, xs, idx, common in problems:
     if torch_rows is not None and not args.no_torch and not over():
       try:
@@ -218,7 +224,7 @@ def main(argv=None, torch_rows=None):
         emit(Row("flex", layer, common["shape"], note=f"{type(e).__name__}: {e}"[:100]))
   for S, N, layer, xs, idx, common in problems:
     # Dense XLA reference: [Q, Hq, S] f32 scores, about five such tensors live in the backward.
-    if 5 * N * BLOCK * HQ * S * 4 > 120 * GIB:
+    if 5 * N * BLOCK * hq * S * 4 > 120 * GIB:
       emit(Row("xla-ref", layer, common["shape"], note="skipped: dense [Q,Hq,S] scores too big"))
     elif not over():
       emit(bench_jax("xla", "xla-ref", xs, idx, **common))
