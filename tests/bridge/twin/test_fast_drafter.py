@@ -19,8 +19,9 @@ from jax_drafter.tools import plans
 LOSS_TOL = dict(atol=1e-6, rtol=1e-6)
 GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 # Compiled flex_attention against eager attention: another kernel's reduction order over the
-# keys (measured on the CPU: up to 2e-6 absolute, 1e-4 relative, on hidden states of ~1e-2).
-FLEX_TOL = dict(atol=1e-6, rtol=1e-4)
+# keys (measured on the CPU at head size 32: up to 2.2e-6 absolute, 1.8e-4 relative, on hidden
+# states of ~1e-2, three layers deep).
+FLEX_TOL = dict(atol=4e-6, rtol=2e-4)
 
 # tiny-parity (sliding window 6 + full), 3 layers so that two layers share a compiled graph.
 CFG = dataclasses.replace(presets.get("tiny-parity"), num_hidden_layers=3,
@@ -28,13 +29,13 @@ CFG = dataclasses.replace(presets.get("tiny-parity"), num_hidden_layers=3,
 B, S, N = 2, 48, 6
 
 
-def _setup(seed=0):
+def _setup(seed=0, cfg=CFG):
   torch.manual_seed(seed)
-  model = ref.build_reference(CFG, attention="eager")
+  model = ref.build_reference(cfg, attention="eager")
   with torch.no_grad():
     for name, p in model.named_parameters():
       p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
-  micro, frozen = plans.packed_batch(CFG, B, S, N, seed, torch.float32, torch.device("cpu"))
+  micro, frozen = plans.packed_batch(cfg, B, S, N, seed, torch.float32, torch.device("cpu"))
   a, v = objective.sample_anchors(jax.random.key(seed), jnp.asarray(micro["loss_mask"].numpy()),
                                   jnp.asarray(micro["doc_id"].numpy()), N)
   a, v = torch.from_numpy(np.array(a)), torch.from_numpy(np.array(v))
@@ -107,18 +108,24 @@ def test_unknown_attention_is_an_error():
 def test_compiled_flex_layers_equal_eager_and_compile_once():
   """The GPU path's graphs (flex_attention inside the compiled layer, a new BlockMask every step),
   forward only: torch has no flex_attention backward on the CPU. New anchors at each step must
-  not recompile: the timed steps would time the compiler."""
+  not recompile: the timed steps would time the compiler.
+
+  Head size 32, not tiny's 16: torch 2.13's compiled CPU flex_attention returns wrong values (NaN
+  where a block has few keys) at head size 16 on AVX2 machines, with or without GQA, on some masks
+  (measured: 15 of 20 random block masks against uncompiled flex); sizes 32 and 64 match on all 20.
+  Drafters' heads are 64 or 128 and their flex path runs on the GPU."""
   from torch._dynamo.utils import counters
-  model, micro, frozen, a, v = _setup(seed=2)
+  cfg = dataclasses.replace(CFG, head_dim=32)
+  model, micro, frozen, a, v = _setup(seed=2, cfg=cfg)
   params = {k: p.detach() for k, p in model.named_parameters()}
   kw = dict(compute_dtype=torch.float32, gamma=7.0, ce_rows=16)
-  flex = FastDrafterStep(CFG, attention="flex", compiled=True, **kw)
-  eager = FastDrafterStep(CFG, attention="eager", compiled=False, **kw)
+  flex = FastDrafterStep(cfg, attention="flex", compiled=True, **kw)
+  eager = FastDrafterStep(cfg, attention="eager", compiled=False, **kw)
   graphs = []
   for i in range(2):
     blocks = ref.build_blocks(torch.where(v, (a + i).clamp(max=S - 2), a), v, micro["input_ids"],
                               micro["loss_mask"], micro["doc_id"], micro["position_ids"],
-                              block_size=CFG.block_size, mask_token_id=CFG.mask_token_id, gamma=7.0)
+                              block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, gamma=7.0)
     with torch.no_grad():
       got = flex.hidden(params, micro, frozen["embed"], blocks)
       want = eager.hidden(params, micro, frozen["embed"], blocks)
