@@ -123,9 +123,24 @@ class Target:
   def lm_head(self) -> torch.Tensor:
     return self.model.get_output_embeddings().weight.detach()
 
-  def check_layer_ids(self, layer_ids) -> None:
+  @property
+  def final_norm_index(self) -> int:
+    """The layer id that captures the final-normed hidden state (the LM head's input; the
+    distillation teacher): one past the last decoder layer."""
+    return self.info.num_layers
+
+  def _final_norm(self):
+    norm = getattr(self.model.model, "norm", None)
+    if norm is None:
+      raise TargetError(f"{self.name}: no `.model.norm` module, so its final-normed hidden state "
+                        "(train.kd_weight > 0) cannot be captured; set train.kd_weight: 0")
+    return norm
+
+  def check_layer_ids(self, layer_ids, *, final_norm: bool = False) -> None:
+    """final_norm: the id final_norm_index (the final-normed state) is allowed too."""
+    top = self.info.num_layers + (1 if final_norm else 0)
     for i in layer_ids:
-      if not 0 <= i < self.info.num_layers:
+      if not 0 <= i < top:
         raise TargetError(f"target layer id {i} is out of range: {self.name} has "
                           f"{self.info.num_layers} decoder layers (0..{self.info.num_layers - 1})")
 
@@ -136,8 +151,9 @@ class Target:
     Documents packed in one row never see each other: the target gets a block-diagonal causal
     mask built from doc_id and per-document position ids. A hybrid target (recurrent layers) runs
     each document as if alone instead (bridge/hybrid.py). Layers above max(layer_ids) never run.
+    The id final_norm_index stands for the final norm's output (the LM head's input).
     """
-    self.check_layer_ids(layer_ids)
+    self.check_layer_ids(layer_ids, final_norm=True)
     dev = self.device
     ids = torch.as_tensor(input_ids, device=dev, dtype=torch.long)
     pos = torch.as_tensor(position_ids, device=dev, dtype=torch.long)
@@ -164,7 +180,10 @@ class Target:
           raise _StopForward
       return fn
 
-    handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(wanted)]
+    L = self.final_norm_index
+    handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(wanted) if i < L]
+    if L in wanted:
+      handles.append(self._final_norm().register_forward_hook(hook(L)))
     try:
       self.model.model(use_cache=False, **inputs)
     except _StopForward:

@@ -332,7 +332,8 @@ class ForwardPlanner:
     self.logged = False
 
   def model(self, layer_ids) -> TargetMemoryModel:
-    key = (max(layer_ids) + 1, len(layer_ids))
+    # the final norm's id (one past the last layer, for distillation) runs every layer
+    key = (min(max(layer_ids) + 1, self.target.info.num_layers), len(layer_ids))
     if key not in self.models:
       self.models[key] = self._build(*key, layer_ids)
     return self.models[key]

@@ -34,11 +34,12 @@ def prepare(cfg, out: str, *, shard_rows: int | None = None, progress: bool = Fa
   from bridge import regenerate as regen_lib
   from bridge.feature_store import Writer
   import numpy as np
+  from jax_drafter import config as config_lib
   from jax_drafter import data as data_lib
   from jax_drafter import inputs
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, features=None))
   target, dcfg, ds = inputs.setup(cfg, progress=progress)
-  layer_ids = dcfg.target_layer_ids
+  layer_ids = config_lib.feature_layer_ids(dcfg, cfg.train)   # + the final norm with KD
   F = len(layer_ids) * target.info.hidden_size
   rows = ds.rows if ds.val_rows is None else {   # validation rows need their features too
       k: np.concatenate([ds.rows[k], ds.val_rows[k]]) for k in ds.rows}

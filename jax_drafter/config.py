@@ -33,6 +33,14 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
   return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
 
 
+def feature_layer_ids(cfg: "DrafterConfig", t: "TrainSection") -> tuple[int, ...]:
+  """The target layers a training run captures: the drafter's target_layer_ids, then, with
+  distillation (train.kd_weight > 0), the target's final-normed hidden state (the input of its LM
+  head), named by the index num_target_layers (bridge/target.py, Target.FINAL_NORM)."""
+  ids = tuple(cfg.target_layer_ids)
+  return ids + (cfg.num_target_layers,) if t.kd_weight else ids
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
   """Resolved drafter architecture, in the field names of z-lab's DFlash `config.json`."""
@@ -312,6 +320,8 @@ class TrainSection:
   num_anchors: int = 32             # N per row
   loss_decay_gamma: float | None = 7.0
   ce_chunk_size: int = 1024         # block tokens per LM-head chunk
+  kd_weight: float = 0.0            # > 0: distillation, per token (1 - w) CE + w KL(target ||
+                                    # drafter) with the target's own next-token distribution
   remat: str = "none"               # none | layer | full | offload
   compute_dtype: str = "float32"    # activations/matmuls; master weights are always float32
   attention: str | None = None      # dflash_attention implementation (None = best available)
@@ -354,6 +364,9 @@ class TrainSection:
         raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
     if self.val_every < 0 or self.eval_every < 0:
       raise ConfigError("train.val_every and train.eval_every must be >= 0 (0 = off)")
+    if not 0.0 <= self.kd_weight <= 1.0:
+      raise ConfigError(f"train.kd_weight={self.kd_weight} must be in [0, 1] (0 = no "
+                        "distillation, 1 = the target's distribution only)")
     if self.warmup_steps < 0 or self.learning_rate <= 0:
       raise ConfigError("train.learning_rate must be > 0 and train.warmup_steps >= 0")
 

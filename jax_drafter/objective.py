@@ -130,6 +130,74 @@ def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
   return ce.reshape(-1)[:T], pred.reshape(-1)[:T]
 
 
+def chunked_distillation(h_TxD, lm_head_VxD, labels_T, teacher_TxD, *, kd_weight: float,
+                         chunk_size: int, compute_dtype=jnp.float32):
+  """chunked_cross_entropy with knowledge distillation from the target (train.kd_weight).
+
+  teacher_TxD: the target's final-normed hidden state at the position before each label, so
+  teacher_t @ lm_head.T are the target's own next-token logits for token t (computed here, a chunk
+  at a time like the drafter's, never as full logits). Per token the objective is
+  (1 - kd_weight) * CE(label) + kd_weight * KL(target || drafter), its gradient fused as in
+  chunked_cross_entropy (d/d logits = softmax - (1 - kd_weight) onehot - kd_weight p_target).
+  Returns (objective f32 [T], pred int32 [T], kl f32 [T]); kl is a metric (no gradient)."""
+  if not 0.0 < kd_weight <= 1.0:
+    raise ValueError(f"kd_weight={kd_weight} must be in (0, 1]")
+  T, D = h_TxD.shape
+  C = ce_chunk_rows(T, chunk_size)
+  pad = (-T) % C
+  h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(-1, C, D)
+  t = jnp.pad(jax.lax.stop_gradient(teacher_TxD), ((0, pad), (0, 0))).reshape(-1, C, D)
+  y = jnp.pad(labels_T, (0, pad)).reshape(-1, C)
+  w = jax.lax.stop_gradient(lm_head_VxD)
+  obj, pred, kl = _fused_kd(h, w, y, t, compute_dtype, float(kd_weight))
+  return obj.reshape(-1)[:T], pred.reshape(-1)[:T], kl.reshape(-1)[:T]
+
+
+def _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool):
+  w = w_VxD.astype(compute_dtype)
+
+  def chunk(args):
+    h_CxD, y_C, t_CxD = args
+    logits_CxV = jnp.matmul(h_CxD.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
+    log_q = jax.nn.log_softmax(logits_CxV, axis=-1)
+    ce = -jnp.take_along_axis(log_q, y_C[:, None], axis=-1)[:, 0]
+    teacher_CxV = jnp.matmul(t_CxD.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
+    log_p = jax.nn.log_softmax(teacher_CxV, axis=-1)
+    p = jnp.exp(log_p)
+    kl = jnp.sum(p * (log_p - log_q), axis=-1)
+    pred = jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32)
+    obj = (1.0 - lam) * ce + lam * kl
+    if not with_grad:
+      return obj, pred, kl
+    dlogits = jnp.exp(log_q) - lam * p
+    dlogits = dlogits - (1.0 - lam) * jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
+    dh_CxD = jnp.matmul(dlogits.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+    return obj, pred, kl, dh_CxD
+
+  return jax.lax.map(chunk, (h_MxCxD, y_MxC, t_MxCxD))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_kd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
+  return _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=False)
+
+
+def _fused_kd_fwd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
+  obj, pred, kl, dh = _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=True)
+  return (obj, pred, kl), (dh.astype(h_MxCxD.dtype), w_VxD, y_MxC, t_MxCxD)
+
+
+def _fused_kd_bwd(compute_dtype, lam, res, cotangents):
+  dh, w, y, t = res
+  g_obj = cotangents[0]
+  g_h = (dh.astype(jnp.float32) * g_obj[..., None]).astype(dh.dtype)
+  # The frozen head, the labels and the target's states get no gradient.
+  return g_h, jnp.zeros_like(w), np.zeros(y.shape, jax.dtypes.float0), jnp.zeros_like(t)
+
+
+_fused_kd.defvjp(_fused_kd_fwd, _fused_kd_bwd)
+
+
 def _ce_chunks(h_MxCxD, w_VxD, y_MxC, compute_dtype, with_grad: bool):
   w = w_VxD.astype(compute_dtype)
 
@@ -173,12 +241,13 @@ _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 class Sums(NamedTuple):
   """Additive statistics of a micro-batch; the loss is wce / w over the global batch."""
-  wce: jax.Array          # sum(CE * w)
+  wce: jax.Array          # sum(CE * w): the objective (with distillation, its mix of CE and KL)
   w: jax.Array            # sum(w)
   correct: jax.Array      # sum([argmax == label] * [w > 0])
   counted: jax.Array      # sum([w > 0])
   accept: jax.Array       # sum over valid blocks of the accepted-prefix length
   blocks: jax.Array       # number of valid blocks
+  wkl: jax.Array = 0.0    # sum(KL(target || drafter) * w) with distillation, else 0
 
 
 def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):
@@ -190,23 +259,29 @@ def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):
   return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)
 
 
-def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int) -> Sums:
+def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int, kl_BxQ=None) -> Sums:
+  """ce_BxQ: the per-token objective; kl_BxQ: the distillation KL (a metric) when there is one."""
   w = blocks.weights
   on = w > 0
   correct = (pred_BxQ == blocks.labels) & on
   accept = accepted_lengths(pred_BxQ, blocks, block_size)
   valid = blocks.block_valid
+  wkl = jnp.zeros((), jnp.float32) if kl_BxQ is None else jnp.sum(kl_BxQ * w)
   return Sums(jnp.sum(ce_BxQ * w), jnp.sum(w), jnp.sum(correct).astype(jnp.float32),
               jnp.sum(on).astype(jnp.float32),
               jnp.sum(jnp.where(valid, accept, 0)).astype(jnp.float32),
-              jnp.sum(valid).astype(jnp.float32))
+              jnp.sum(valid).astype(jnp.float32), wkl)
 
 
-def metrics_from_sums(s: Sums) -> dict[str, jax.Array]:
+def metrics_from_sums(s: Sums, *, distill: bool = False) -> dict[str, jax.Array]:
+  """distill: also report kl, the mean KL(target || drafter) over supervised tokens."""
   safe = lambda x: jnp.maximum(x, 1e-9)
-  return {"loss": s.wce / safe(s.w), "accuracy": s.correct / safe(s.counted),
-          "tau_estimate": s.accept / safe(s.blocks) + 1.0,
-          "supervised_tokens": s.counted, "valid_blocks": s.blocks}
+  m = {"loss": s.wce / safe(s.w), "accuracy": s.correct / safe(s.counted),
+       "tau_estimate": s.accept / safe(s.blocks) + 1.0,
+       "supervised_tokens": s.counted, "valid_blocks": s.blocks}
+  if distill:
+    m["kl"] = s.wkl / safe(s.w)
+  return m
 
 
 # ---- Exact greedy acceptance length from teacher forcing (validation) ---------------------------

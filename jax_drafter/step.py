@@ -81,33 +81,61 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
   cd = DTYPE[t.compute_dtype]
   embed = jax.lax.stop_gradient(frozen["embed"])
   noise_emb = jnp.take(embed, blocks.noise_ids, axis=0).astype(cd)
-  h = model(noise_emb, micro["features"].astype(cd), micro["position_ids"], blocks.positions,
+  features, teacher = split_features(micro["features"], cfg, t)
+  h = model(noise_emb, features.astype(cd), micro["position_ids"], blocks.positions,
             blocks.anchors, blocks.doc_start, blocks.block_valid, remat=t.remat,
             attn_impl=attn_impl)
-  ce, pred = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
-                           chunk_size=t.ce_chunk_size, compute_dtype=cd)
-  sums = objective.block_sums(ce, pred, blocks, cfg.block_size)
+  ce, pred, kl = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
+                               chunk_size=t.ce_chunk_size, compute_dtype=cd,
+                               teacher=teacher, anchors=blocks.anchors, kd_weight=t.kd_weight)
+  sums = objective.block_sums(ce, pred, blocks, cfg.block_size, kl)
   if return_aux:
     return sums, (blocks, h, ce, pred)
   return sums
 
 
+def split_features(features_BxSxF, cfg: DrafterConfig, t: TrainSection):
+  """(drafter features [B, S, n*H], the target's final-normed states [B, S, H] or None).
+
+  With distillation (train.kd_weight > 0) the target also captures its final-normed hidden state
+  after the drafter's layers (config.feature_layer_ids), the input of its LM head."""
+  if not t.kd_weight:
+    return features_BxSxF, None
+  F = len(cfg.target_layer_ids) * cfg.hidden_size
+  if features_BxSxF.shape[-1] != F + cfg.hidden_size:
+    raise ValueError(f"train.kd_weight={t.kd_weight} needs features of {F} + {cfg.hidden_size} "
+                     f"(the target's final-normed state), got {features_BxSxF.shape[-1]}")
+  return features_BxSxF[..., :F], features_BxSxF[..., F:]
+
+
 def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_size: int,
-                  compute_dtype):
+                  compute_dtype, teacher=None, anchors=None, kd_weight: float = 0.0):
   """CE and argmax [B, Q] of block offsets 1..K-1 only: offset 0 (the anchor's own token) never
   has a label (weight 0 by the docs/DESIGN.md contract), so its LM-head rows are not computed at all,
-  1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1."""
+  1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1.
+
+  teacher [B, S, D] (the target's final-normed states) with anchors [B, N] and kd_weight > 0:
+  the objective mixes in KL(target || drafter), the target's distribution for token a + k being
+  its logits at position a + k - 1. Returns (objective, pred, kl or None)."""
   B, Q, D = h_BxQxD.shape
   K = block_size
   N = Q // K
   h = h_BxQxD.reshape(B, N, K, D)[:, :, 1:].reshape(B * N * (K - 1), D)
   y = labels_BxQ.reshape(B, N, K)[:, :, 1:].reshape(-1)
-  ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
-                                             compute_dtype=compute_dtype)
   pad = ((0, 0), (0, 0), (1, 0))
-  ce = jnp.pad(ce.reshape(B, N, K - 1), pad).reshape(B, Q)
-  pred = jnp.pad(pred.reshape(B, N, K - 1), pad, constant_values=-1).reshape(B, Q)
-  return ce, pred
+  unflat = lambda x, fill=0: jnp.pad(x.reshape(B, N, K - 1), pad,
+                                     constant_values=fill).reshape(B, Q)
+  if teacher is None or not kd_weight:
+    ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
+                                               compute_dtype=compute_dtype)
+    return unflat(ce), unflat(pred, -1), None
+  S = teacher.shape[1]
+  before = anchors[:, :, None] + jnp.arange(K - 1, dtype=jnp.int32)        # a + k - 1, k = 1..K-1
+  before = jnp.minimum(before, S - 1).reshape(B, N * (K - 1))
+  t_rows = jnp.take_along_axis(teacher, before[:, :, None], axis=1).reshape(-1, teacher.shape[-1])
+  obj, pred, kl = objective.chunked_distillation(h, lm_head_VxD, y, t_rows, kd_weight=kd_weight,
+                                                 chunk_size=chunk_size, compute_dtype=compute_dtype)
+  return unflat(obj), unflat(pred, -1), unflat(kl)
 
 
 def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
@@ -140,7 +168,7 @@ def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
     g = jax.tree.map(lambda x: x / jnp.maximum(sums.w, 1e-9), g)
     updates, opt_state = optimizer.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = objective.metrics_from_sums(sums)
+    metrics = objective.metrics_from_sums(sums, distill=bool(t.kd_weight))
     grad_norm = optax.tree.norm(g)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     # A non-finite step leaves the state untouched; the loop stops the run on `finite == False`.

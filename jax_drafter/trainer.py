@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_drafter import checkpoint as ckpt
+from jax_drafter import config as config_lib
 from jax_drafter import data as data_lib
 from jax_drafter import inputs
 from jax_drafter import pipeline
@@ -124,6 +125,8 @@ class _Run:
     self.main = jax.process_index() == 0    # with several processes, process 0 writes the files
     self.target, self.dcfg, self.ds = inputs.setup_in_order(cfg, progress=show_progress and self.main)
     dcfg = self.dcfg
+    # What the target captures: the drafter's layers (+ its final-normed state for distillation).
+    self.layer_ids = config_lib.feature_layer_ids(dcfg, t)
     log.info("drafter: %s", json.dumps(dcfg.to_zlab()["dflash_config"]) + f" layers={dcfg.layer_types}")
     A, B = t.grad_accum, cfg.data.batch_size
     optimizer = step_lib.make_optimizer(t)
@@ -220,7 +223,7 @@ class _Run:
                                                     self.t.eval_max_new_tokens)
     ra = self.val_anchors
     producer = pipeline.Producer(_InOrder(rows, B), 1, B, self.sources,
-                                 self.dcfg.target_layer_ids, self.place)
+                                 self.layer_ids, self.place)
     key = jax.random.key(self.t.seed + 7)
     total, accepts = None, []
     for b in range(R // B):
@@ -233,13 +236,15 @@ class _Run:
                                     self.place.split_rows(ra.valid[None, sl])))
       feed.handoff.release_after((total, accepts[-1]))
     producer.close()
-    m = pipeline.scalars(objective.metrics_from_sums(total))
+    m = pipeline.scalars(objective.metrics_from_sums(total, distill=bool(self.t.kd_weight)))
     accept = np.concatenate([pipeline.whole(a) for a in accepts])
     n = min(R0, len(accept))            # rows repeated to fill a batch count once
     walk = objective.walk_tau(accept[:n], ra, rows=range(n))
     rec = {"step": step, "val_loss": m["loss"], "val_accuracy": m["accuracy"],
            "val_tau_estimate": m["tau_estimate"], "val_tau": walk["tau"],
            "val_responses": walk["responses"]}
+    if "kl" in m:
+      rec["val_kl"] = m["kl"]
     last = self.history[-1] if self.history else None
     log.info("step %d: validation (%d rows) loss %.4f acc %.3f tau %.3f on %d answers (first %d "
              "tokens; estimate %.2f)%s", step, R // B * B, rec["val_loss"], rec["val_accuracy"],
@@ -285,7 +290,7 @@ class _Run:
   def feeder(self, count: int) -> pipeline.Prefetcher:
     """Target features for the next `count` steps, made ahead on a producer thread."""
     producer = pipeline.Producer(self.batches, self.t.grad_accum, self.cfg.data.batch_size,
-                                 self.sources, self.dcfg.target_layer_ids, self.place)
+                                 self.sources, self.layer_ids, self.place)
     return pipeline.Prefetcher(producer, count, depth=self.t.prefetch)
 
   def save(self):
@@ -322,8 +327,9 @@ class _Run:
     self.history.append(m)
     self.progress.update(i + 1, m)
     if (i + 1) % t.log_every == 0 or i + 1 == t.steps or i == self.first:
-      log.info("step %d/%d loss %.4f acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f (target "
-               "%.0f, drafter %.0f: %s-bound)", i + 1, t.steps, m["loss"], m["accuracy"],
+      log.info("step %d/%d loss %.4f%s acc %.3f tau~ %.2f lr %.2e gnorm %.2f tok/s %.0f (target "
+               "%.0f, drafter %.0f: %s-bound)", i + 1, t.steps, m["loss"],
+               f" (kl {m['kl']:.4f})" if "kl" in m else "", m["accuracy"],
                m["tau_estimate"], m["lr"], m["grad_norm"], m["tokens_per_s"],
                m["target_tokens_per_s"], m["drafter_tokens_per_s"], bound(m))
     self.metrics_file.write(_jsonl(m))

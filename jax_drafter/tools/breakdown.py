@@ -80,8 +80,8 @@ def step_breakdown(graphdef, state, batch, frozen, *, cfg, t, attn_impl=None,
   gd_n, p_n = nnx.split(model.norm, nnx.Param)
 
   def ce_loss(p, h, head, labels, weights):
-    ce, _ = step_lib.supervised_ce(nnx.merge(gd_n, p)(h), head, labels, cfg.block_size,
-                                   chunk_size=t.ce_chunk_size, compute_dtype=cd)
+    ce, _, _ = step_lib.supervised_ce(nnx.merge(gd_n, p)(h), head, labels, cfg.block_size,
+                                      chunk_size=t.ce_chunk_size, compute_dtype=cd)
     return jnp.sum(ce * weights)
   fn = jax.jit(jax.grad(ce_loss, argnums=(0, 1)))
   parts["norm + LM-head CE"] = _timed(

@@ -36,7 +36,8 @@ from bridge.target import eos_token_ids
 from jax_drafter import data as data_lib
 from jax_drafter import objective
 from jax_drafter import step as step_lib
-from jax_drafter.config import DrafterConfig, RunConfig, TrainSection, resolve_drafter
+from jax_drafter.config import (DrafterConfig, RunConfig, TrainSection, feature_layer_ids,
+                                 resolve_drafter)
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def run_gate(target, dcfg: DrafterConfig, train: TrainSection, prompt_ids: list[
   keep = Handoff()  # the frozen weights and the row's features stay imported for the whole gate
   frozen = import_frozen(target.embedding, target.lm_head, keep)
   batch = {k: jnp.asarray(v[None]) for k, v in rows.items()}  # [A=1, B=1, S]
-  batch["features"] = keep.put(target.stacked_features([rows], dcfg.target_layer_ids),
+  batch["features"] = keep.put(target.stacked_features([rows], feature_layer_ids(dcfg, t)),
                                name="target features")
   optimizer = step_lib.make_optimizer(t)
   graphdef, state = step_lib.init_state(dcfg, t, optimizer)

@@ -23,6 +23,23 @@ def test_capture_equals_hidden_states_of_a_plain_forward(tiny):
   assert f.is_contiguous() and f.shape == (2, 10, 64)
 
 
+def test_final_norm_index_captures_the_lm_heads_input(tiny):
+  """The distillation teacher: the state captured under final_norm_index times the LM head are the
+  target's own logits; the other layers are captured alongside as usual."""
+  ids = torch.randint(0, 1000, (2, 9))
+  pos = torch.arange(9).repeat(2, 1)
+  L = tiny.final_norm_index
+  assert L == tiny.info.num_layers == 4
+  f = tiny.features(ids, pos, torch.zeros(2, 9, dtype=torch.long), [1, L])
+  with torch.inference_mode():
+    out = tiny.model(ids, output_hidden_states=True)
+  H = tiny.info.hidden_size
+  torch.testing.assert_close(f[..., :H], out.hidden_states[2])
+  torch.testing.assert_close(f[..., H:] @ tiny.lm_head.T, out.logits, rtol=1e-5, atol=1e-5)
+  with pytest.raises(TargetError, match="target layer id 5 is out of range"):
+    tiny.features(ids, pos, torch.zeros(2, 9, dtype=torch.long), [L + 1])
+
+
 def test_layers_above_the_last_needed_one_never_run(tiny):
   ran = []
   hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
