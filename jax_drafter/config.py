@@ -36,7 +36,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
 def feature_layer_ids(cfg: "DrafterConfig", t: "TrainSection") -> tuple[int, ...]:
   """The target layers a training run captures: the drafter's target_layer_ids, then, with
   distillation (train.kd_weight > 0), the target's final-normed hidden state (the input of its LM
-  head), named by the index num_target_layers (bridge/target.py, Target.FINAL_NORM)."""
+  head), named by the index num_target_layers (bridge/target.py, Target.final_norm_index)."""
   ids = tuple(cfg.target_layer_ids)
   return ids + (cfg.num_target_layers,) if t.kd_weight else ids
 

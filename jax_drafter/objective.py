@@ -120,14 +120,8 @@ def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
   head costs two matmuls (logits, d h) instead of three under remat (logits, logits again, d h).
   The LM head gets no gradient (it is frozen). Returns (ce f32 [T], pred int32 [T]).
   """
-  T, D = h_TxD.shape
-  C = ce_chunk_rows(T, chunk_size)
-  pad = (-T) % C
-  h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(-1, C, D)
-  y = jnp.pad(labels_T, (0, pad)).reshape(-1, C)
-  w = jax.lax.stop_gradient(lm_head_VxD)
-  ce, pred = _fused_ce(h, w, y, compute_dtype)
-  return ce.reshape(-1)[:T], pred.reshape(-1)[:T]
+  ce, pred, _ = _chunked(h_TxD, lm_head_VxD, labels_T, None, 0.0, chunk_size, compute_dtype)
+  return ce, pred
 
 
 def chunked_distillation(h_TxD, lm_head_VxD, labels_T, teacher_TxD, *, kd_weight: float,
@@ -135,42 +129,56 @@ def chunked_distillation(h_TxD, lm_head_VxD, labels_T, teacher_TxD, *, kd_weight
   """chunked_cross_entropy with knowledge distillation from the target (train.kd_weight).
 
   teacher_TxD: the target's final-normed hidden state at the position before each label, so
-  teacher_t @ lm_head.T are the target's own next-token logits for token t (computed here, a chunk
-  at a time like the drafter's, never as full logits). Per token the objective is
-  (1 - kd_weight) * CE(label) + kd_weight * KL(target || drafter), its gradient fused as in
-  chunked_cross_entropy (d/d logits = softmax - (1 - kd_weight) onehot - kd_weight p_target).
+  teacher_t @ lm_head.T are the target's own next-token logits for token t (computed in the same
+  chunks as the drafter's, never as full logits). Per token the objective is
+  (1 - kd_weight) * CE(label) + kd_weight * KL(target || drafter), its gradient fused the same way
+  (d/d logits = softmax - (1 - kd_weight) onehot - kd_weight p_target).
   Returns (objective f32 [T], pred int32 [T], kl f32 [T]); kl is a metric (no gradient)."""
   if not 0.0 < kd_weight <= 1.0:
     raise ValueError(f"kd_weight={kd_weight} must be in (0, 1]")
-  T, D = h_TxD.shape
+  return _chunked(h_TxD, lm_head_VxD, labels_T, teacher_TxD, float(kd_weight), chunk_size,
+                  compute_dtype)
+
+
+def _chunked(h_TxD, lm_head_VxD, labels_T, teacher_TxD, lam: float, chunk_size: int,
+             compute_dtype):
+  """Rows padded to whole chunks of ce_chunk_rows, through _fused_ce, cut back to T."""
+  T = h_TxD.shape[0]
   C = ce_chunk_rows(T, chunk_size)
   pad = (-T) % C
-  h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(-1, C, D)
-  t = jnp.pad(jax.lax.stop_gradient(teacher_TxD), ((0, pad), (0, 0))).reshape(-1, C, D)
-  y = jnp.pad(labels_T, (0, pad)).reshape(-1, C)
-  w = jax.lax.stop_gradient(lm_head_VxD)
-  obj, pred, kl = _fused_kd(h, w, y, t, compute_dtype, float(kd_weight))
-  return obj.reshape(-1)[:T], pred.reshape(-1)[:T], kl.reshape(-1)[:T]
+  chunks = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
+      (-1, C) + x.shape[1:])
+  t = None if teacher_TxD is None else chunks(jax.lax.stop_gradient(teacher_TxD))
+  obj, pred, kl = _fused_ce(chunks(h_TxD), jax.lax.stop_gradient(lm_head_VxD), chunks(labels_T),
+                            t, compute_dtype, lam)
+  cut = lambda x: None if x is None else x.reshape(-1)[:T]
+  return cut(obj), cut(pred), cut(kl)
 
 
-def _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool):
+def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool):
+  """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE."""
   w = w_VxD.astype(compute_dtype)
+  logits_of = lambda x: jnp.matmul(x.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
 
   def chunk(args):
     h_CxD, y_C, t_CxD = args
-    logits_CxV = jnp.matmul(h_CxD.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
-    log_q = jax.nn.log_softmax(logits_CxV, axis=-1)
-    ce = -jnp.take_along_axis(log_q, y_C[:, None], axis=-1)[:, 0]
-    teacher_CxV = jnp.matmul(t_CxD.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
-    log_p = jax.nn.log_softmax(teacher_CxV, axis=-1)
-    p = jnp.exp(log_p)
-    kl = jnp.sum(p * (log_p - log_q), axis=-1)
+    logits_CxV = logits_of(h_CxD)
+    lse = jax.nn.logsumexp(logits_CxV, axis=-1)
+    gold = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
     pred = jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32)
-    obj = (1.0 - lam) * ce + lam * kl
+    ce = lse - gold
+    obj, kl = ce, None
+    if t_CxD is not None:
+      log_p = jax.nn.log_softmax(logits_of(t_CxD), axis=-1)
+      p = jnp.exp(log_p)
+      kl = jnp.sum(p * (log_p - (logits_CxV - lse[:, None])), axis=-1)
+      obj = (1.0 - lam) * ce + lam * kl
     if not with_grad:
       return obj, pred, kl
-    dlogits = jnp.exp(log_q) - lam * p
-    dlogits = dlogits - (1.0 - lam) * jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
+    # d obj / d logits = softmax - (1 - lam) onehot - lam p_teacher; d obj / d h = that @ W.
+    onehot = jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
+    dlogits = jnp.exp(logits_CxV - lse[:, None])
+    dlogits = dlogits - onehot if t_CxD is None else dlogits - (1.0 - lam) * onehot - lam * p
     dh_CxD = jnp.matmul(dlogits.astype(compute_dtype), w, preferred_element_type=jnp.float32)
     return obj, pred, kl, dh_CxD
 
@@ -178,62 +186,22 @@ def _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_kd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
-  return _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=False)
+def _fused_ce(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
+  return _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=False)
 
 
-def _fused_kd_fwd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
-  obj, pred, kl, dh = _kd_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=True)
+def _fused_ce_fwd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
+  obj, pred, kl, dh = _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=True)
   return (obj, pred, kl), (dh.astype(h_MxCxD.dtype), w_VxD, y_MxC, t_MxCxD)
 
 
-def _fused_kd_bwd(compute_dtype, lam, res, cotangents):
+def _fused_ce_bwd(compute_dtype, lam, res, cotangents):
   dh, w, y, t = res
-  g_obj = cotangents[0]
+  g_obj = cotangents[0]          # pred and kl are metrics: their cotangents are dropped
   g_h = (dh.astype(jnp.float32) * g_obj[..., None]).astype(dh.dtype)
-  # The frozen head, the labels and the target's states get no gradient.
-  return g_h, jnp.zeros_like(w), np.zeros(y.shape, jax.dtypes.float0), jnp.zeros_like(t)
-
-
-_fused_kd.defvjp(_fused_kd_fwd, _fused_kd_bwd)
-
-
-def _ce_chunks(h_MxCxD, w_VxD, y_MxC, compute_dtype, with_grad: bool):
-  w = w_VxD.astype(compute_dtype)
-
-  def chunk(args):
-    h_CxD, y_C = args
-    logits_CxV = jnp.matmul(h_CxD.astype(compute_dtype), w.T, preferred_element_type=jnp.float32)
-    lse = jax.nn.logsumexp(logits_CxV, axis=-1)
-    gold = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
-    pred = jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32)
-    if not with_grad:
-      return lse - gold, pred
-    # d CE / d logits = softmax - onehot(label); d CE / d h = that @ W.
-    dlogits = jnp.exp(logits_CxV - lse[:, None])
-    dlogits = dlogits - jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
-    dh_CxD = jnp.matmul(dlogits.astype(compute_dtype), w, preferred_element_type=jnp.float32)
-    return lse - gold, pred, dh_CxD
-
-  return jax.lax.map(chunk, (h_MxCxD, y_MxC))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_ce(h_MxCxD, w_VxD, y_MxC, compute_dtype):
-  return _ce_chunks(h_MxCxD, w_VxD, y_MxC, compute_dtype, with_grad=False)
-
-
-def _fused_ce_fwd(h_MxCxD, w_VxD, y_MxC, compute_dtype):
-  ce, pred, dh = _ce_chunks(h_MxCxD, w_VxD, y_MxC, compute_dtype, with_grad=True)
-  return (ce, pred), (dh.astype(h_MxCxD.dtype), w_VxD, y_MxC)
-
-
-def _fused_ce_bwd(compute_dtype, res, cotangents):
-  dh, w, y = res
-  g_ce, _ = cotangents
-  g_h = (dh.astype(jnp.float32) * g_ce[..., None]).astype(dh.dtype)
-  # No gradient for the frozen head or the integer labels.
-  return g_h, jnp.zeros_like(w), np.zeros(y.shape, jax.dtypes.float0)
+  # No gradient for the frozen head, the integer labels or the target's states.
+  return (g_h, jnp.zeros_like(w), np.zeros(y.shape, jax.dtypes.float0),
+          None if t is None else jnp.zeros_like(t))
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
@@ -247,7 +215,7 @@ class Sums(NamedTuple):
   counted: jax.Array      # sum([w > 0])
   accept: jax.Array       # sum over valid blocks of the accepted-prefix length
   blocks: jax.Array       # number of valid blocks
-  wkl: jax.Array = 0.0    # sum(KL(target || drafter) * w) with distillation, else 0
+  wkl: jax.Array          # sum(KL(target || drafter) * w) with distillation, else 0
 
 
 def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):

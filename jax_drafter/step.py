@@ -114,7 +114,7 @@ def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_si
   has a label (weight 0 by the docs/DESIGN.md contract), so its LM-head rows are not computed at all,
   1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1.
 
-  teacher [B, S, D] (the target's final-normed states) with anchors [B, N] and kd_weight > 0:
+  teacher [B, S, D] (the target's final-normed states; needs anchors [B, N] and kd_weight > 0):
   the objective mixes in KL(target || drafter), the target's distribution for token a + k being
   its logits at position a + k - 1. Returns (objective, pred, kl or None)."""
   B, Q, D = h_BxQxD.shape
@@ -125,7 +125,7 @@ def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_si
   pad = ((0, 0), (0, 0), (1, 0))
   unflat = lambda x, fill=0: jnp.pad(x.reshape(B, N, K - 1), pad,
                                      constant_values=fill).reshape(B, Q)
-  if teacher is None or not kd_weight:
+  if teacher is None:
     ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
                                                compute_dtype=compute_dtype)
     return unflat(ce), unflat(pred, -1), None

@@ -255,8 +255,9 @@ class _Run:
     self.metrics_file.write(_jsonl(rec))
     self.metrics_file.flush()
     if self.writer is not None:
-      for k in ("val_loss", "val_accuracy", "val_tau_estimate", "val_tau"):
-        self.writer.add_scalar(f"val/{k[4:]}", rec[k], step)
+      for k in ("val_loss", "val_accuracy", "val_tau_estimate", "val_tau", "val_kl"):
+        if k in rec:
+          self.writer.add_scalar(f"val/{k[4:]}", rec[k], step)
     self.summary.setdefault("validations", []).append(rec)
     if self.t.keep_best:
       self._keep_if_best(rec)

@@ -19,9 +19,9 @@ from jax_drafter.tools import plans
 LOSS_TOL = dict(atol=1e-6, rtol=1e-6)
 GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 # Compiled flex_attention against eager attention: another kernel's reduction order over the
-# keys (measured on the CPU at head size 32: up to 2.2e-6 absolute, 1.8e-4 relative, on hidden
-# states of ~1e-2, three layers deep).
-FLEX_TOL = dict(atol=4e-6, rtol=2e-4)
+# keys (measured on the CPU at head size 32, three layers deep: up to 2.4e-6 absolute on hidden
+# states of median magnitude 0.67; atol 1e-6 with rtol 1e-4 misses by 2%, so atol is 2e-6).
+FLEX_TOL = dict(atol=2e-6, rtol=1e-4)
 
 # tiny-parity (sliding window 6 + full), 3 layers so that two layers share a compiled graph.
 CFG = dataclasses.replace(presets.get("tiny-parity"), num_hidden_layers=3,
