@@ -141,8 +141,11 @@ class Target:
     top = self.info.num_layers + (1 if final_norm else 0)
     for i in layer_ids:
       if not 0 <= i < top:
+        extra = (f", or {self.info.num_layers} for the final norm's output (distillation)"
+                 if final_norm else "")
         raise TargetError(f"target layer id {i} is out of range: {self.name} has "
-                          f"{self.info.num_layers} decoder layers (0..{self.info.num_layers - 1})")
+                          f"{self.info.num_layers} decoder layers (ids 0..{self.info.num_layers - 1}"
+                          f"{extra})")
 
   @torch.inference_mode()
   def features(self, input_ids, position_ids, doc_id, layer_ids) -> torch.Tensor:

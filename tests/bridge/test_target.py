@@ -36,7 +36,8 @@ def test_final_norm_index_captures_the_lm_heads_input(tiny):
   H = tiny.info.hidden_size
   torch.testing.assert_close(f[..., :H], out.hidden_states[2])
   torch.testing.assert_close(f[..., H:] @ tiny.lm_head.T, out.logits, rtol=1e-5, atol=1e-5)
-  with pytest.raises(TargetError, match="target layer id 5 is out of range"):
+  with pytest.raises(TargetError, match=r"target layer id 5 is out of range.*or 4 for the final "
+                                        r"norm's output"):
     tiny.features(ids, pos, torch.zeros(2, 9, dtype=torch.long), [L + 1])
 
 
@@ -68,6 +69,9 @@ def test_packed_documents_never_see_each_other(tiny):
 def test_layer_ids_out_of_range(tiny):
   with pytest.raises(TargetError, match="target layer id 4 is out of range.*4 decoder layers"):
     tiny.check_layer_ids([1, 4])
+  with pytest.raises(TargetError) as e:   # without distillation the final norm's id is not offered
+    tiny.check_layer_ids([4])
+  assert "final norm" not in str(e.value)
 
 
 def test_mask_token_checks(tiny):
