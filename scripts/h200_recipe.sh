@@ -16,6 +16,9 @@
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
 # Each call copies the logs, metrics and results written so far to $OUT.
+# The logs, metrics and results come back as logs.tar.gz; once the pipeline is done, the
+# regenerated answers too (regen.xz.part_*: keep them in an ignored folder such as .gpu_c and give
+# REGEN_PARTS=.gpu_c with carry .gpu_c,.gpu_b to a later session's launch to skip regeneration).
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
 # (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
@@ -35,11 +38,16 @@ COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
 stamp() { echo "=== [$(date +%T)] $*"; }
 
-collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back)
-  for f in pipeline.log regen.log regen.json train.log eval.log eval.json; do
-    [ -f "$L/$f" ] && cp "$L/$f" "$OUT/"
-  done
-  [ -f "$RUN/metrics.jsonl" ] && gzip -c "$RUN/metrics.jsonl" > "$OUT/metrics.jsonl.gz"
+collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back, 16 MiB each)
+  [ -f "$RUN/metrics.jsonl" ] && cp "$RUN/metrics.jsonl" "$L/metrics.jsonl"
+  (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls pipeline.log regen.log regen.json train.log eval.log \
+      eval.json metrics.jsonl 2>/dev/null))
+  # The regenerated answers, once the pipeline is done: xz parts of 15 MiB (at most 7), which a
+  # later session carries back into data.cache_dir to skip regeneration (REGEN_PARTS below).
+  if [ -f "$D/DONE" ] && ls "$L"/regen.xz.part_* > /dev/null 2>&1; then
+    n=$(ls "$L"/regen.xz.part_* | wc -l)
+    if [ "$n" -le 7 ]; then cp "$L"/regen.xz.part_* "$OUT/"; else echo "regen cache: $n parts, not returned"; fi
+  fi
 }
 
 watch() {
@@ -68,6 +76,12 @@ case "${1:-}" in
     [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
       echo "no $D/gguf.part0: the machine went cold; run 'stage' first"; exit 3; }
     mkdir -p "$D/smollm2" "$D/cache"
+    # Answers regenerated in an earlier session (its regen.xz.part_* in REGEN_PARTS, a carried
+    # folder): the regeneration step then finds every conversation cached.
+    if [ -n "${REGEN_PARTS:-}" ]; then
+      cat "$REGEN_PARTS"/regen.xz.part_* | xz -dc > "$D/cache/regenerated.jsonl" || exit 1
+      wc -l < "$D/cache/regenerated.jsonl"
+    fi
     cat "$D/gguf.part0" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
@@ -85,6 +99,8 @@ case "${1:-}" in
         --json "$L/regen.json" --quiet > "$L/regen.log" 2>&1
     rc=$?; tail -n 3 "$L/regen.log"
     [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$D/DONE"; exit 1; }
+    # Compressed copy of the answers for later sessions, on 4 CPU cores beside the training.
+    (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" | split -b 15M - "$L/regen.xz.part_") &
     MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 75) / 60))")
     stamp "train for $MIN minutes"
     python3 -m jax_drafter.train "${COMMON[@]}" train.eval_prompts=0 ${EXTRA:-} \
