@@ -1,8 +1,11 @@
 """Acceptance length tau by real DFlash speculative decoding: PyTorch target + JAX drafter.
 
-    python -m jax_drafter.evaluate (--run-dir RUN [--step N] | --drafter-dir ZLAB_DIR)
-        [--target-path DIR --gguf-file F] [--prompts FILE.jsonl] [--num-prompts 16]
-        [--max-new-tokens 128] [--block-size K] [--temperature 0] [--json REPORT]
+    python -m jax_drafter.evaluate (--run-dir RUN [--step N | --best] | --drafter-dir ZLAB_DIR)
+        [--target-path DIR --gguf-file F] [--target-dtype D] [--prompts FILE.jsonl]
+        [--num-prompts 16] [--max-new-tokens 128] [--block-size K] [--temperature 0] [--json REPORT]
+
+--best: the run's `best/` drafter (the best validation tau, exported during training) with the
+run's own settings (target, dtype, held-out split), as the checkpoints are evaluated.
 
 tau (docs/DESIGN.md): each verify step accepts `acc` drafted tokens plus the target's bonus token;
 tau = mean of acc + 1 over the verify steps of a response, averaged over responses; max = K.
@@ -382,9 +385,14 @@ def _parse(argv):
   src.add_argument("--run-dir", help="training run directory (with checkpoints/)")
   src.add_argument("--drafter-dir", help="exported z-lab drafter directory")
   p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  p.add_argument("--best", action="store_true",
+                 help="with --run-dir: the run's best/ drafter (best validation tau) instead of a "
+                      "checkpoint, with the run's settings")
   p.add_argument("--target-path", help="HF target directory (default: the run's target)")
   p.add_argument("--gguf-file", help="GGUF file inside --target-path")
   p.add_argument("--device", default=None, help="target device (default: the run's, or auto)")
+  p.add_argument("--target-dtype", choices=("float32", "bfloat16"),
+                 help="the target's dtype (default: the run's, or float32)")
   p.add_argument("--prompts", help="JSONL prompts (default: the run's held-out conversations)")
   p.add_argument("--num-prompts", type=int, default=16)
   p.add_argument("--max-new-tokens", type=int, default=128)
@@ -400,9 +408,31 @@ def _parse(argv):
   args = p.parse_args(argv)
   if args.step is not None and not args.run_dir:
     p.error("--step needs --run-dir")
+  if args.best and not args.run_dir:
+    p.error("--best needs --run-dir (a drafter directory is given with --drafter-dir alone)")
+  if args.best and args.step is not None:
+    p.error("--best and --step choose different drafters: give one of them")
   if args.gguf_file and not args.target_path:
     p.error("--gguf-file needs --target-path")
   return args
+
+
+def _best_of_run(run_dir: str, read_zlab):
+  """(cfg, graphdef, params, run_config) of RUN/best, with the settings RUN/config.json records."""
+  best = os.path.join(run_dir, "best")
+  if not os.path.isdir(best):
+    raise EvaluationError(f"{run_dir} has no best/ drafter: it is written at the first validation "
+                          "(train.val_every with data.validation > 0); evaluate a checkpoint "
+                          "instead (--step N, default the latest)")
+  conf = os.path.join(run_dir, "config.json")
+  try:
+    with open(conf) as f:
+      run_config = json.load(f).get("run_config") or {}
+  except (OSError, json.JSONDecodeError, AttributeError) as e:
+    raise EvaluationError(f"{conf}: cannot read the run's settings ({type(e).__name__}: {e}); "
+                          f"evaluate {best} with --drafter-dir and --prompts instead") from None
+  cfg, graphdef, params = read_zlab(best)
+  return cfg, graphdef, params, run_config
 
 
 def main(argv=None) -> int:
@@ -411,7 +441,10 @@ def main(argv=None) -> int:
   setup_logging(timestamps=False)     # the report, not the libraries' INFO lines
   args = _parse(argv)
   try:
-    if args.run_dir:
+    if args.best:
+      from jax_drafter.export import read_zlab
+      cfg, graphdef, params, run_config = _best_of_run(args.run_dir, read_zlab)
+    elif args.run_dir:
       from jax_drafter.checkpoint import load_params
       cfg, graphdef, params, meta = load_params(args.run_dir, args.step)
       run_config = meta.get("run_config") or {}
@@ -422,7 +455,8 @@ def main(argv=None) -> int:
     tc = run_config.get("target") or {}
     path = args.target_path or tc.get("path")
     gguf = args.gguf_file if args.target_path else tc.get("gguf_file")
-    target = load_target(path, gguf_file=gguf, dtype=tc.get("dtype", "float32"),
+    dtype = args.target_dtype or tc.get("dtype", "float32")
+    target = load_target(path, gguf_file=gguf, dtype=dtype,
                          device=args.device or tc.get("device", "auto"),
                          trust_remote_code=bool(tc.get("trust_remote_code", False)))
     check_compatible(cfg, target)  # before reading any prompt: the cheapest error first

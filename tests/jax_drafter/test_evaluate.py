@@ -338,6 +338,38 @@ def test_cli_end_to_end(smollm2, tmp_path, monkeypatch):
   assert evaluate.main(["--drafter-dir", zdir, "--prompts", str(prompts), "--block-size", "5"]) == 2
 
 
+def test_cli_best_takes_the_runs_settings(smollm2, tmp_path, monkeypatch):
+  """--best: RUN/best's weights, with the target dtype and held-out split RUN/config.json records
+  (an exported directory alone records neither); --target-dtype overrides the dtype."""
+  from jax_drafter.export import write_zlab
+  cfg, graphdef, params = smol_drafter(smollm2)
+  run = tmp_path / "run"
+  write_zlab(str(run / "best"), cfg, params, dtype="float32")
+  convs = tmp_path / "convs.jsonl"
+  convs.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+      {"from": "human", "value": f"Name a colour, number {i}."}, {"from": "gpt", "value": "Red."}]})
+      + "\n" for i in range(6)))
+  run_config = {"target": {"path": None, "gguf_file": None, "dtype": "bfloat16", "device": "cpu"},
+                "data": {"path": str(convs), "held_out": 2, "seed": 0, "max_conversations": None}}
+  (run / "config.json").write_text(json.dumps({"run_config": run_config}))
+  asked = []
+  monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: asked.append(k["dtype"]) or smollm2)
+  out = tmp_path / "report.json"
+  assert evaluate.main(["--run-dir", str(run), "--best", "--num-prompts", "4",
+                        "--max-new-tokens", "4", "--json", str(out)]) == 0
+  report = json.loads(out.read_text())
+  assert report["num_prompts"] == 2                       # the run's two held-out conversations
+  assert asked == ["bfloat16"]                            # the run's target dtype
+  assert evaluate.main(["--run-dir", str(run), "--best", "--target-dtype", "float32",
+                        "--num-prompts", "1", "--max-new-tokens", "2"]) == 0
+  assert asked[-1] == "float32"
+  # No best/ yet: a clear error, not a traceback; --best with --step or without --run-dir: usage.
+  assert evaluate.main(["--run-dir", str(tmp_path / "empty"), "--best"]) == 2
+  for bad in (["--run-dir", str(run), "--best", "--step", "5"], ["--drafter-dir", "x", "--best"]):
+    with pytest.raises(SystemExit):
+      evaluate.main(bad)
+
+
 def test_batched_references_equal_decoded_ones(tiny_target, monkeypatch):
   """reference="batched": prompts past speed_prompts come from one batched greedy decode, equal to
   the one-token decode (f32), untimed, and not counted as from an earlier evaluation."""
