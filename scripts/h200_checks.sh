@@ -12,6 +12,7 @@
 #   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
 #   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
 #                                               # 27B drafter's step on one GPU (issue #14)
+#   bash scripts/h200_checks.sh layouts-1gpu    # issue #13's one-GPU figures: target bound + shared
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
 #   bash scripts/h200_checks.sh kernel parity memory bench     # four GPUs, four parts at once
 #   BENCH_DEVICES=1,2,3 bash scripts/h200_checks.sh bench-all  # all bench cases over three GPUs
@@ -91,6 +92,14 @@ part_cmds() {
       PYTHONPATH=/tmp/site:. run timeout 500 python3 scripts/target_memory_check.py \
           --random qwen3.6-27b --shapes 1x8192,4x2048,67x122 --docs 4 \
           --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
+    layouts-1gpu)  # issue #13 on one GPU: the target-forward bound and the shared layout
+                   # (SmolLM2-1.7B shapes, random weights, 3-layer drafter, 8 x 2048, 256 anchors).
+                   # A tokenizer directory in LAYOUT_TOKENIZER (default .gpu_c/tokenizer: the
+                   # SmolLM2 tokenizer saved with save_pretrained) and ShareGPT rows in LAYOUT_DATA.
+      run timeout 520 python3 scripts/layouts_bench.py --tokenizer "${LAYOUT_TOKENIZER:-.gpu_c/tokenizer}" \
+          --data "${LAYOUT_DATA:-/tmp/dflash/sharegpt_user_turns.jsonl}" --layouts shared --out /tmp/layouts
+      cp /tmp/layouts/layouts.json /tmp/layouts/shared.log "$OUT/" 2>/dev/null
+      [ -f /tmp/layouts/shared/metrics.jsonl ] && gzip -c /tmp/layouts/shared/metrics.jsonl > "$OUT/layouts-shared-metrics.jsonl.gz" ;;
     *) echo "unknown part $part"; return 2 ;;
   esac
 }
