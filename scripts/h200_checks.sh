@@ -13,6 +13,7 @@
 #   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
 #                                               # 27B drafter's step on one GPU (issue #14)
 #   bash scripts/h200_checks.sh layouts-1gpu    # issue #13's one-GPU figures: target bound + shared
+#   bash scripts/h200_checks.sh learn-parity-recipe   # after a recipe pipeline, on its files
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
 #   bash scripts/h200_checks.sh kernel parity memory bench     # four GPUs, four parts at once
 #   BENCH_DEVICES=1,2,3 bash scripts/h200_checks.sh bench-all  # all bench cases over three GPUs
@@ -100,6 +101,17 @@ part_cmds() {
           --data "${LAYOUT_DATA:-/tmp/dflash/sharegpt_user_turns.jsonl}" --layouts shared --out /tmp/layouts
       cp /tmp/layouts/layouts.json /tmp/layouts/shared.log "$OUT/" 2>/dev/null
       [ -f /tmp/layouts/shared/metrics.jsonl ] && gzip -c /tmp/layouts/shared/metrics.jsonl > "$OUT/layouts-shared-metrics.jsonl.gz" ;;
+    learn-parity-recipe)  # issue #11: JAX vs the PyTorch reference drafter learning at the recipe's
+                          # shapes, on what a finished h200_recipe.sh pipeline left in /tmp/dflash
+                          # (GGUF, data, regenerated answers). The torch side in SDPA: with compiled
+                          # flex_attention its first step took 312 s (2026-12-02).
+      local D=/tmp/dflash
+      PYTHONPATH=/tmp/site:. run timeout 540 python3 -m jax_drafter.tools.learn_parity \
+          --config configs/smollm2-h200.yaml --device gpu --steps 100 --every 10 --eval-prompts 8 \
+          --torch-attention sdpa --set target.path=$D/smollm2 \
+          --set target.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf \
+          --set data.path=$D/sharegpt_user_turns.jsonl --set data.cache_dir=$D/cache \
+          --set target.feature_cache_gib=0 --json "$OUT/learn-parity.json" ;;
     *) echo "unknown part $part"; return 2 ;;
   esac
 }
