@@ -12,13 +12,15 @@
 #   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_a/sharegpt_user_turns.jsonl.gz
 # Calls (back to back, each with timeout_s=600):
 #   stage    carry .gpu_a and .whl: wheels, the GGUF's first half and the data to /tmp/dflash
-#            (then STAGE_CHECKS="part ..." of scripts/h200_checks.sh, if set)
+#            (then STAGE_CHECKS="part ..." of scripts/h200_checks.sh, if set); again with carry
+#            .gpu_c to restore earlier regenerated answers
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
 # Each call copies the logs, metrics and results written so far to $OUT.
 # The logs, metrics and results come back as logs.tar.gz; once the pipeline is done, the
-# regenerated answers too (regen.xz.part_*: keep them in an ignored folder such as .gpu_c and give
-# REGEN_PARTS=.gpu_c with carry .gpu_c,.gpu_b to a later session's launch to skip regeneration).
+# regenerated answers too (regen.xz.part_*, ~17 MB for every turn): keep them in .gpu_c, and a
+# later session's extra "stage" call carrying .gpu_c (before "launch"; .gpu_b + .gpu_c exceed one
+# call's 64 MiB) restores them, so its regeneration finds every conversation cached.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
 # (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
@@ -64,11 +66,20 @@ watch() {
 }
 
 case "${1:-}" in
-  stage)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    cp .gpu_a/gguf.part0 "$D/gguf.part0"
-    gunzip -c .gpu_a/sharegpt_user_turns.jsonl.gz > "$D/sharegpt_user_turns.jsonl"
+  stage)      # copies whatever of .whl, .gpu_a and .gpu_c this call carries (several calls may stage)
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl || exit 1
+    fi
+    if [ -d .gpu_a ]; then
+      cp .gpu_a/gguf.part0 "$D/gguf.part0"
+      gunzip -c .gpu_a/sharegpt_user_turns.jsonl.gz > "$D/sharegpt_user_turns.jsonl"
+    fi
+    if ls .gpu_c/regen.xz.part_* > /dev/null 2>&1; then   # an earlier session's answers
+      mkdir -p "$D/cache"
+      cat .gpu_c/regen.xz.part_* | xz -dc > "$D/cache/regenerated.jsonl" || exit 1
+      echo "regenerated answers restored: $(wc -l < "$D/cache/regenerated.jsonl") conversations"
+    fi
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     # The rest of this call's time can serve other GPU checks (e.g. STAGE_CHECKS=kernel-tests).
     [ -z "${STAGE_CHECKS:-}" ] || OUT=$OUT LIMIT=$(( $(left) - 10 )) bash scripts/h200_checks.sh $STAGE_CHECKS ;;
@@ -76,12 +87,6 @@ case "${1:-}" in
     [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
       echo "no $D/gguf.part0: the machine went cold; run 'stage' first"; exit 3; }
     mkdir -p "$D/smollm2" "$D/cache"
-    # Answers regenerated in an earlier session (its regen.xz.part_* in REGEN_PARTS, a carried
-    # folder): the regeneration step then finds every conversation cached.
-    if [ -n "${REGEN_PARTS:-}" ]; then
-      cat "$REGEN_PARTS"/regen.xz.part_* | xz -dc > "$D/cache/regenerated.jsonl" || exit 1
-      wc -l < "$D/cache/regenerated.jsonl"
-    fi
     cat "$D/gguf.part0" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
