@@ -45,7 +45,7 @@ collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back
   (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls pipeline.log regen.log regen.json train.log eval.log \
       eval.json metrics.jsonl 2>/dev/null))
   # The regenerated answers, once the pipeline is done: xz parts of 15 MiB (at most 7), which a
-  # later session carries back into data.cache_dir to skip regeneration (REGEN_PARTS below).
+  # later session restores with a second "stage" call carrying them in .gpu_c.
   if [ -f "$D/DONE" ] && ls "$L"/regen.xz.part_* > /dev/null 2>&1; then
     n=$(ls "$L"/regen.xz.part_* | wc -l)
     if [ "$n" -le 7 ]; then cp "$L"/regen.xz.part_* "$OUT/"; else echo "regen cache: $n parts, not returned"; fi
