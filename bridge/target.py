@@ -92,6 +92,9 @@ def info_from_config(config, *, vocab_size: int, tokenizer_size: int, name: str)
       max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)), name=name)
 
 
+PACKED_ATTENTION = ("sdpa", "flex")
+
+
 class Target:
   """A frozen HF causal LM with hooks on its decoder layers.
 
@@ -100,7 +103,13 @@ class Target:
   """
 
   def __init__(self, model, tokenizer, name: str, *, memory_budget_bytes: float = math.inf,
-               memory_cache_dir: str | None = None):
+               memory_cache_dir: str | None = None, packed_attention: str = "sdpa"):
+    if packed_attention not in PACKED_ATTENTION:
+      raise TargetError(f"target.attention={packed_attention!r} must be one of {PACKED_ATTENTION}")
+    # How packed rows keep documents apart in the features forward: "sdpa", the model's own
+    # attention with a dense [B, 1, S, S] boolean mask; "flex", flex_attention with a BlockMask
+    # (bridge/document_attention.py: no S^2 mask, masked tiles skipped). Hybrid targets ignore it.
+    self.packed_attention = packed_attention
     self.model = model.eval().requires_grad_(False)
     self.tokenizer = tokenizer
     self.name = name
@@ -163,6 +172,11 @@ class Target:
     if self.hybrid is not None:
       return self.hybrid.features(self._capture, ids, pos, doc_id, layer_ids)
     doc = torch.as_tensor(doc_id, device=dev)
+    if self.packed_attention == "flex":
+      from bridge import document_attention
+      with document_attention.documents(self.model):
+        return self._capture(layer_ids, input_ids=ids, position_ids=pos,
+                             attention_mask=document_attention.block_mask(doc))
     S = ids.shape[1]
     causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     mask = (causal[None] & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [B, 1, S, S]
@@ -338,7 +352,7 @@ def _decoder_layers(model):
 def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
                 device: str = "auto", trust_remote_code: bool = False,
                 memory_budget_gib: float | None = None,
-                memory_cache_dir: str | None = None) -> Target:
+                memory_cache_dir: str | None = None, packed_attention: str = "sdpa") -> Target:
   """Load a frozen target. path=None: the default SmolLM2-135M-Instruct GGUF.
 
   memory_budget_gib: what a features call may hold on the device, weights included; None = 90% of
@@ -373,7 +387,7 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
            model.config.num_hidden_layers, model.config.hidden_size,
            model.get_input_embeddings().weight.shape[0], dev, dtype)
   return Target(model, tokenizer, name, memory_budget_bytes=budget,
-                memory_cache_dir=memory_cache_dir)
+                memory_cache_dir=memory_cache_dir, packed_attention=packed_attention)
 
 
 def choose_mask_token_id(target: Target) -> int:

@@ -141,8 +141,12 @@ def square_term(config, *, dtype_bytes: int, attn_implementation: str) -> int:
   SDPA with a boolean mask runs the memory-efficient kernel on CUDA and the flash kernel on the CPU;
   both take the mask as a float bias (one copy, one more when CUDA pads it to 16 columns) and never
   build the scores. Eager attention (and anything else, to be safe) builds [heads, S, S] scores:
-  q.k^T and its scaled copy, or the f32 softmax beside the scores."""
+  q.k^T and its scaled copy, or the f32 softmax beside the scores. "flex" (target.attention: flex
+  on CUDA): the block mask is built compiled, without an [S, S] tensor, and compiled
+  flex_attention keeps no scores."""
   c, e = text_config(config), dtype_bytes
+  if attn_implementation == "flex":   # bridge/document_attention.py on CUDA: a block mask only
+    return 0
   if attn_implementation == "sdpa":
     attention = 2 * e
   else:
@@ -342,6 +346,9 @@ class ForwardPlanner:
     t = self.target
     config, dtype = t.model.config, t.embedding.dtype
     attn = getattr(config, "_attn_implementation", None) or "eager"
+    if getattr(t, "packed_attention", "sdpa") == "flex" and getattr(t, "hybrid", None) is None:
+      # Compiled flex_attention (CUDA) keeps nothing of size S^2; eager flex (CPU) builds scores.
+      attn = "flex" if t.device.type == "cuda" else "eager"
     analytic = analytic_model(config, layers_run=layers_run, n_features=n_features,
                               dtype_bytes=dtype.itemsize, attn_implementation=attn,
                               fixed_bytes=weight_bytes(t.model))

@@ -209,6 +209,10 @@ class TargetSection:
   memory_budget_gib: float | None = None  # what one target forward may hold on its device, weights
                                           # included; rows run in sub-batches that fit. None = 90%
                                           # of the device's free memory at load (CPU: unlimited)
+  # How a packed row's documents stay apart in the target's features forward: "sdpa" (a dense
+  # [B, 1, S, S] boolean mask, S^2 bytes per row) or "flex" (torch flex_attention with a block
+  # mask: no S^2 buffer, masked tiles skipped; compiled on CUDA). Hybrid targets ignore it.
+  attention: str = "sdpa"
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -223,6 +227,8 @@ class TargetSection:
       names = [_device_key(d, "target.devices") for d in self.devices]
       if len(set(names)) != len(names):
         raise ConfigError(f"target.devices lists a device twice: {list(self.devices)}")
+    if self.attention not in ("sdpa", "flex"):
+      raise ConfigError(f"target.attention={self.attention!r} must be 'sdpa' or 'flex'")
     if self.memory_budget_gib is not None and not 0 < self.memory_budget_gib < float("inf"):
       raise ConfigError(f"target.memory_budget_gib={self.memory_budget_gib} must be a number > 0 "
                         "(null = 90% of the device's free memory)")

@@ -108,7 +108,8 @@ def setup(cfg: RunConfig, *, progress: bool = False):
     target = target_files.load_without_model(tc.path, **kw)
   else:
     target = target_lib.load_target(tc.path, **kw, memory_budget_gib=tc.memory_budget_gib,
-                                    memory_cache_dir=cfg.data.cache_dir)
+                                    memory_cache_dir=cfg.data.cache_dir,
+                                    packed_attention=tc.attention)
   mask_id = (cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None
              else target_lib.choose_mask_token_id(target))
   dcfg = resolve_drafter(cfg.drafter, target.info, mask_id)
@@ -153,5 +154,6 @@ def load_replicas(cfg: RunConfig) -> list:
   return [target_lib.load_target(tc.path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=d,
                                  trust_remote_code=tc.trust_remote_code,
                                  memory_budget_gib=tc.memory_budget_gib,
-                                 memory_cache_dir=cfg.data.cache_dir)
+                                 memory_cache_dir=cfg.data.cache_dir,
+                                 packed_attention=tc.attention)
           for d in (tc.devices or ())[1:]]

@@ -12,6 +12,7 @@
 #   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
 #   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
 #                                               # 27B drafter's step on one GPU (issue #14)
+#   bash scripts/h200_checks.sh target-attention   # packed rows: flex block mask vs dense SDPA
 #   bash scripts/h200_checks.sh layouts-1gpu    # issue #13's one-GPU figures: target bound + shared
 #   bash scripts/h200_checks.sh learn-parity-recipe   # after a recipe pipeline, on its files
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
@@ -93,6 +94,11 @@ part_cmds() {
       PYTHONPATH=/tmp/site:. run timeout 500 python3 scripts/target_memory_check.py \
           --random qwen3.6-27b --shapes 1x8192,4x2048,67x122 --docs 4 \
           --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
+    target-attention)  # target.attention: flex (block mask) against the dense-mask SDPA: the GPU
+                       # test, then the features forward's speed and peak memory on packed rows
+      run timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+          tests/bridge/test_target_memory.py -k flex
+      run timeout 300 python3 scripts/target_forward_bench.py --json "$OUT/target-forward.json" ;;
     layouts-1gpu)  # issue #13 on one GPU: the target-forward bound and the shared layout
                    # (SmolLM2-1.7B shapes, random weights, 3-layer drafter, 8 x 2048, 256 anchors).
                    # A tokenizer directory in LAYOUT_TOKENIZER (default .gpu_c/tokenizer: the

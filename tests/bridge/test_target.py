@@ -66,6 +66,33 @@ def test_packed_documents_never_see_each_other(tiny):
   torch.testing.assert_close(packed[:, 7:], alone_b, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_document_attention_equals_the_dense_mask(tiny_target_dir):
+  """target.attention: flex (bridge/document_attention.py) gives the features of the dense-mask
+  path on packed rows: documents of several lengths (one of a single token), a row of one
+  document, padding at the end; and it leaves the model's own attention as it found it."""
+  flex = load_target(tiny_target_dir, device="cpu", packed_attention="flex")
+  dense = load_target(tiny_target_dir, device="cpu")
+  g = torch.Generator().manual_seed(1)
+  S = 150                                       # not a multiple of flex's 128-token tiles
+  ids = torch.randint(0, 1000, (3, S), generator=g)
+  docs = [[70, 1, 40, 39], [150], [100, 30, 20]]  # row 2: the last 20 tokens are padding
+  doc, pos = torch.zeros(3, S, dtype=torch.long), torch.zeros(3, S, dtype=torch.long)
+  for r, lengths in enumerate(docs):
+    s0 = 0
+    for d, n in enumerate(lengths):
+      doc[r, s0:s0 + n], pos[r, s0:s0 + n] = d, torch.arange(n)
+      s0 += n
+  for layers in ([0, 3], [1, flex.final_norm_index]):
+    torch.testing.assert_close(flex.features(ids, pos, doc, layers),
+                               dense.features(ids, pos, doc, layers), rtol=1e-5, atol=1e-5)
+  assert flex.model.config._attn_implementation == dense.model.config._attn_implementation
+  alone = dense.features(ids[:1, 71:111], torch.arange(40)[None], torch.zeros(1, 40, dtype=torch.long), [3])
+  torch.testing.assert_close(flex.features(ids, pos, doc, [3])[:1, 71:111], alone,
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(TargetError, match="target.attention='dense' must be one of"):
+    load_target(tiny_target_dir, device="cpu", packed_attention="dense")
+
+
 def test_layer_ids_out_of_range(tiny):
   with pytest.raises(TargetError, match="target layer id 4 is out of range.*4 decoder layers"):
     tiny.check_layer_ids([1, 4])

@@ -65,6 +65,7 @@ def test_analytic_model_of_smollm2_matches_the_hand_count():
                           attn_implementation="sdpa", fixed_bytes=0)
   assert (f32.token_bytes, f32.square_bytes) == (37400, 9)
   assert tm.square_term(c, dtype_bytes=4, attn_implementation="eager") == 73
+  assert tm.square_term(c, dtype_bytes=2, attn_implementation="flex") == 0   # a block mask only
 
 
 def test_linear_attention_layers_count_only_when_they_run():
@@ -421,6 +422,42 @@ def test_measured_model_bounds_real_forwards_on_cuda(tmp_path):
         lambda R, S: t.features(torch.randint(0, 1000, (R, S)), torch.arange(S).repeat(R, 1),
                                 torch.zeros(R, S, dtype=torch.int32), layer_ids), [(R, S)],
         t.device)
+    assert peak <= m.activation_bytes(R, S), (R, S, peak, m)
+
+
+@pytest.mark.gpu
+def test_flex_document_attention_on_cuda(tmp_path):
+  """target.attention: flex, compiled on CUDA: on packed rows the features of the dense-mask path
+  (to bf16 rounding), and a measured memory model (no S^2 term in its floor) that bounds real
+  forwards."""
+  from transformers import LlamaConfig, LlamaForCausalLM
+  torch.manual_seed(0)
+  cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    tie_word_embeddings=True)
+  model = LlamaForCausalLM(cfg).to(torch.bfloat16).cuda()
+  budget = tm.default_budget(model.device)
+  dense = Target(model, TinyTokenizer(), "tiny", memory_budget_bytes=budget)
+  flex = Target(model, TinyTokenizer(), "tiny", memory_budget_bytes=budget,
+                memory_cache_dir=str(tmp_path), packed_attention="flex")
+  R, S = 4, 1000
+  doc, pos = torch.zeros(R, S, dtype=torch.long), torch.zeros(R, S, dtype=torch.long)
+  g = torch.Generator().manual_seed(0)
+  for r in range(R):
+    cuts = sorted(torch.randperm(S - 1, generator=g)[:r * 3].add(1).tolist())
+    for d, (a, b) in enumerate(zip([0] + cuts, cuts + [S])):
+      doc[r, a:b], pos[r, a:b] = d, torch.arange(b - a)
+  ids = torch.randint(0, 1000, (R, S), generator=g)
+  layer_ids = [1, 3]
+  torch.testing.assert_close(flex.features(ids, pos, doc, layer_ids).float(),
+                             dense.features(ids, pos, doc, layer_ids).float(), rtol=3e-2, atol=3e-2)
+  m = flex.memory.model(layer_ids)
+  assert m.source == "measured"
+  for R, S in [(2, 64), (8, 256), (3, 1500)]:
+    (_, _, peak), = tm.measure_peaks(
+        lambda R, S: flex.features(torch.randint(0, 1000, (R, S)), torch.arange(S).repeat(R, 1),
+                                   torch.zeros(R, S, dtype=torch.int32), layer_ids), [(R, S)],
+        flex.device)
     assert peak <= m.activation_bytes(R, S), (R, S, peak, m)
 
 
