@@ -22,18 +22,22 @@ import torch
 
 NAME = "packed_documents"   # no "flash" in the name: transformers treats those as flash-attn kernels
 _lock = threading.Lock()
-_compiled = None
+_compiled: dict[str, object] = {}
+
+
+def _compiled_on_cuda(fn, on_cuda: bool, **compile_kw):
+  """fn itself on a CPU (eager); on CUDA one torch.compile of it per process."""
+  if not on_cuda:
+    return fn
+  with _lock:
+    if fn.__name__ not in _compiled:
+      _compiled[fn.__name__] = torch.compile(fn, **compile_kw)
+  return _compiled[fn.__name__]
 
 
 def _flex(on_cuda: bool):
-  global _compiled
   from torch.nn.attention.flex_attention import flex_attention
-  if not on_cuda:
-    return flex_attention
-  with _lock:
-    if _compiled is None:
-      _compiled = torch.compile(flex_attention, dynamic=False)
-  return _compiled
+  return _compiled_on_cuda(flex_attention, on_cuda, dynamic=False)
 
 
 def block_mask(doc_BxS: torch.Tensor):
@@ -47,8 +51,8 @@ def block_mask(doc_BxS: torch.Tensor):
     return (q >= k) & (doc[b, q] == doc[b, k])
 
   # Compiled on CUDA: the eager builder evaluates the mask on the whole [B, S, S] grid at once.
-  return create_block_mask(same_document_causal, B, None, S, S, device=doc.device,
-                           _compile=doc.is_cuda)
+  build = _compiled_on_cuda(create_block_mask, doc.is_cuda)
+  return build(same_document_causal, B, None, S, S, device=doc.device)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
