@@ -417,7 +417,7 @@ def _parse(argv):
   return args
 
 
-def _best_of_run(run_dir: str, read_zlab):
+def _best_of_run(run_dir: str):
   """(cfg, graphdef, params, run_config) of RUN/best, with the settings RUN/config.json records."""
   best = os.path.join(run_dir, "best")
   if not os.path.isdir(best):
@@ -431,6 +431,7 @@ def _best_of_run(run_dir: str, read_zlab):
   except (OSError, json.JSONDecodeError, AttributeError) as e:
     raise EvaluationError(f"{conf}: cannot read the run's settings ({type(e).__name__}: {e}); "
                           f"evaluate {best} with --drafter-dir and --prompts instead") from None
+  from jax_drafter.export import read_zlab
   cfg, graphdef, params = read_zlab(best)
   return cfg, graphdef, params, run_config
 
@@ -442,8 +443,7 @@ def main(argv=None) -> int:
   args = _parse(argv)
   try:
     if args.best:
-      from jax_drafter.export import read_zlab
-      cfg, graphdef, params, run_config = _best_of_run(args.run_dir, read_zlab)
+      cfg, graphdef, params, run_config = _best_of_run(args.run_dir)
     elif args.run_dir:
       from jax_drafter.checkpoint import load_params
       cfg, graphdef, params, meta = load_params(args.run_dir, args.step)

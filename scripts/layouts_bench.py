@@ -167,15 +167,15 @@ def main(argv=None) -> int:
                      common, args.out, env)
   print(f"target forward alone ({args.arch}, {dtype}, {args.rows} x {args.seq}, layers "
         f"{list(dcfg.target_layer_ids)} of {n_layers}): {bound:,.0f} tokens/s")
-  shared_bound = None
+  back_to_back = None
   if alone["status"] == "ok":
     d = alone["drafter_tokens_per_s"]
-    shared_bound = 1 / (1 / bound + 1 / d)
+    back_to_back = 1 / (1 / bound + 1 / d)
     print(f"drafter alone (features cached): {d:,.0f} tokens/s; both sides back to back on one "
-          f"device (no overlap): {shared_bound:,.0f} tokens/s")
+          f"device (no overlap): {back_to_back:,.0f} tokens/s")
     for r in rows:
       if r["status"] == "ok" and r["layout"] == "shared":
-        r["of_back_to_back"] = r["tokens_per_s"] / shared_bound
+        r["of_back_to_back"] = r["tokens_per_s"] / back_to_back
         print(f"shared layout: {r['of_back_to_back']:.0%} of the back-to-back rate (above 100%: "
               "the two sides overlap)")
   else:
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
           f"{r['feature_copy_ms']:.1f} | {r['drafter_wait_ms']:.1f} |")
   with open(os.path.join(args.out, "layouts.json"), "w") as f:
     json.dump({"arch": args.arch, "target_bound_tokens_per_s": bound, "rows": rows,
-               "drafter_alone": alone, "back_to_back_tokens_per_s": shared_bound,
+               "drafter_alone": alone, "back_to_back_tokens_per_s": back_to_back,
                "args": vars(args)}, f, indent=2)
   return 0 if all(r["status"] == "ok" for r in rows) else 1
 

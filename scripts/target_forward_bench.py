@@ -1,12 +1,12 @@
 """The target's features forward on packed rows: dense-mask SDPA against flex_attention's block
 mask (target.attention), tokens/s and peak memory, medians after a warm-up.
 
-  python scripts/target_forward_bench.py [--random smollm2,smollm2-1.7b] [--rows 8] [--seq 2048]
+  python scripts/target_forward_bench.py [--random smollm2-135m,smollm2-1.7b] [--rows 8] [--seq 2048]
       [--docs 4] [--layers 5] [--repeats 5] [--json FILE]
 
 Random weights of real architectures (speed and memory do not depend on the weights), bf16 on
-CUDA (float32 on a CPU, as a smoke test). Each row packs `--docs` documents of random lengths, as
-training rows do; the captured layers follow the docs/DESIGN.md rule for `--layers` features.
+CUDA (float32 on a CPU, as a smoke test). Each row packs `--docs` documents of near-equal length
+(scripts/target_memory_check.py's rows); the captured layers follow the docs/DESIGN.md rule for `--layers` features.
 Before timing, the two paths' features are compared (max abs. difference printed).
 """
 
@@ -20,37 +20,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 from bridge.target import Target  # noqa: E402
 from jax_drafter.config import default_target_layer_ids  # noqa: E402
-
-SHAPES = {
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3),
-    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                         num_attention_heads=32, num_key_value_heads=32),
-}
-
-
-class _Vocab:
-  def __init__(self, n):
-    self.n = n
-
-  def __len__(self):
-    return self.n
-
-
-def packed_rows(rows: int, seq: int, docs: int, vocab: int, seed: int = 0):
-  g = torch.Generator().manual_seed(seed)
-  ids = torch.randint(0, vocab, (rows, seq), generator=g)
-  doc, pos = torch.zeros(rows, seq, dtype=torch.long), torch.zeros(rows, seq, dtype=torch.long)
-  for r in range(rows):
-    cuts = sorted(torch.randperm(seq - 1, generator=g)[:docs - 1].add(1).tolist())
-    for d, (a, b) in enumerate(zip([0] + cuts, cuts + [seq])):
-      doc[r, a:b], pos[r, a:b] = d, torch.arange(b - a)
-  return ids, pos, doc
+from layouts_bench import ARCHS  # noqa: E402  (the real targets' shapes)
+from target_memory_check import _Vocab, packed  # noqa: E402  (stand-in tokenizer, packed rows)
 
 
 def timed(fn, device, repeats: int):
@@ -72,7 +49,8 @@ def timed(fn, device, repeats: int):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--random", default="smollm2,smollm2-1.7b")
+  p.add_argument("--random", default="smollm2-135m,smollm2-1.7b",
+                 help=f"comma-separated, of {sorted(ARCHS)}")
   p.add_argument("--rows", type=int, default=8)
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--docs", type=int, default=4)
@@ -86,13 +64,12 @@ def main(argv=None) -> int:
   dtype = torch.bfloat16 if cuda else torch.float32
   results = []
   for name in a.random.split(","):
-    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
-                      **SHAPES[name])
+    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **ARCHS[name])
     torch.manual_seed(0)
     with torch.device(device):
       model = LlamaForCausalLM(cfg).to(dtype)
     layer_ids = list(default_target_layer_ids(cfg.num_hidden_layers, a.layers))
-    ids, pos, doc = packed_rows(a.rows, a.seq, a.docs, cfg.vocab_size)
+    ids, pos, doc = packed(a.rows, a.seq, a.docs, torch.Generator().manual_seed(0), cfg.vocab_size)
     sides = {k: Target(model, _Vocab(cfg.vocab_size), name, packed_attention=k)
              for k in ("sdpa", "flex")}
     feats = {k: t.features(ids, pos, doc, layer_ids) for k, t in sides.items()}

