@@ -76,7 +76,7 @@ def _propose(graphdef, params, cache, n, noise_ids_K, embed_VxD, lm_head_VxD, ke
   h = _block_hidden(graphdef, params, cache, n, noise_ids_K, embed_VxD, attn_impl=attn_impl)[1:]
   cd = h.dtype
   # Same numerics as objective.chunked_cross_entropy: compute dtype in, f32 accumulation.
-  logits = jnp.matmul(h, lm_head_VxD.astype(cd).T, preferred_element_type=jnp.float32)
+  logits = jnp.einsum("kd,vd->kv", h, lm_head_VxD.astype(cd), preferred_element_type=jnp.float32)
   if temperature <= 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
   scaled = logits / temperature

@@ -147,7 +147,7 @@ class _Run:
     self.keep = Handoff()
     frozen = import_frozen(self.target.embedding, self.target.lm_head, self.keep,
                            device=self.place.device)
-    self.frozen = self.place.replicate(frozen)
+    self.frozen = step_lib.frozen_in_compute_dtype(self.place.replicate(frozen), t.compute_dtype)
     self.step_fn = step_lib.jit_train_step(
         step_lib.make_train_step(self.graphdef, dcfg, t, optimizer, _attn_impl(t)),
         out_shardings=(shardings, self.place.replicated) if self.place.multi else None)

@@ -124,3 +124,22 @@ def test_the_first_update_has_a_nonzero_learning_rate():
   assert lrs[9] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
   assert lrs[99] == pytest.approx(1e-4)                 # min_lr_ratio * peak at the last update
   assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+
+
+def test_frozen_weights_narrowed_once_give_the_same_bf16_step_bit_for_bit():
+  """frozen_in_compute_dtype casts a float32 target's embedding / LM head to bfloat16 once (tied
+  weights stay one array); the bfloat16 step on them equals the step that casts them itself."""
+  frozen = _frozen()
+  narrowed = st.frozen_in_compute_dtype(frozen, "bfloat16")
+  assert narrowed["lm_head"].dtype == jnp.bfloat16 and narrowed["embed"] is narrowed["lm_head"]
+  assert st.frozen_in_compute_dtype(frozen, "float32")["lm_head"] is frozen["lm_head"]
+  assert st.frozen_in_compute_dtype(narrowed, "float32")["lm_head"] is narrowed["lm_head"]
+  t = TrainSection(num_anchors=4, ce_chunk_size=5, compute_dtype="bfloat16")
+  opt = st.make_optimizer(t)
+  g, state = st.init_state(CFG, t, opt)
+  f = jax.jit(st.make_train_step(g, CFG, t, opt))
+  s1, m1 = f(state, _batch(), frozen)
+  s2, m2 = f(state, _batch(), narrowed)
+  assert float(m1["loss"]) == float(m2["loss"])
+  for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+    np.testing.assert_array_equal(a, b)

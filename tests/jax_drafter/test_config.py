@@ -1,0 +1,46 @@
+"""train.compute_dtype "auto": bfloat16 where the drafter's devices multiply it natively."""
+
+import pytest
+
+from jax_drafter import config as config_lib
+from jax_drafter.config import ConfigError, build_config, resolve_compute_dtype
+
+AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+AVX512BF16 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+PLAIN = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\nbugs\t\t: spectre_v1\n"
+
+
+@pytest.mark.parametrize("cpuinfo, native", [(AMX, True), (AVX512BF16, True), (PLAIN, False),
+                                             ("", False)])
+def test_cpu_bf16_flags(cpuinfo, native):
+  assert config_lib.cpu_has_native_bf16(cpuinfo) is native
+
+
+@pytest.mark.parametrize("platform, native, want", [
+    ("gpu", False, "bfloat16"), ("cpu", True, "bfloat16"), ("cpu", False, "float32")])
+def test_auto_resolves_by_device(monkeypatch, platform, native, want):
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: native)
+  cfg = resolve_compute_dtype(build_config({"train": {"compute_dtype": "auto"}}), platform)
+  assert cfg.train.compute_dtype == want
+
+
+def test_auto_follows_the_named_drafter_device(monkeypatch):
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+  cfg = build_config({"train": {"compute_dtype": "auto", "devices": ["cuda:1"]}})
+  assert resolve_compute_dtype(cfg).train.compute_dtype == "bfloat16"
+  cfg = build_config({"train": {"compute_dtype": "auto", "devices": ["cpu"]}})
+  assert resolve_compute_dtype(cfg).train.compute_dtype == "float32"
+
+
+def test_explicit_dtypes_are_kept_and_auto_never_survives_loading(monkeypatch):
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: True)
+  for dt in ("float32", "bfloat16"):
+    cfg = build_config({"train": {"compute_dtype": dt}})
+    assert resolve_compute_dtype(cfg, "gpu").train.compute_dtype == dt
+  loaded = config_lib.load_config(None, ["train.compute_dtype=auto"])
+  assert loaded.train.compute_dtype in ("float32", "bfloat16")
+
+
+def test_unknown_compute_dtype_is_a_config_error():
+  with pytest.raises(ConfigError, match="train.compute_dtype='float16'.*'auto'"):
+    build_config({"train": {"compute_dtype": "float16"}})
