@@ -67,10 +67,14 @@ def frozen_in_compute_dtype(frozen: dict, compute_dtype: str) -> dict:
   those the step's own cast gives, so results are bitwise unchanged."""
   cd = jnp.dtype(DTYPE[compute_dtype])
   narrowed = {}
+
   def cast(x):
     if jnp.dtype(x.dtype).itemsize <= cd.itemsize:
       return x
-    return narrowed.setdefault(id(x), x.astype(cd))
+    if id(x) not in narrowed:
+      narrowed[id(x)] = x.astype(cd)
+    return narrowed[id(x)]
+
   return {k: cast(v) for k, v in frozen.items()}
 
 
