@@ -487,12 +487,11 @@ def resolve_compute_dtype(cfg: RunConfig, platform: str | None = None) -> RunCon
   t = cfg.train
   if t.compute_dtype != "auto":
     return cfg
+  if platform is None and t.devices:
+    platform = parse_device(t.devices[0], "train.devices")[0]   # None for a bare index
   if platform is None:
-    named = parse_device(t.devices[0], "train.devices")[0] if t.devices else None
-    if named is None:
-      import jax
-      named = "gpu" if jax.devices()[0].platform in ("gpu", "cuda", "rocm") else "cpu"
-    platform = named
+    import jax
+    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda", "rocm") else "cpu"
   dtype = "bfloat16" if platform == "gpu" or cpu_has_native_bf16() else "float32"
   return dataclasses.replace(cfg, train=dataclasses.replace(t, compute_dtype=dtype))
 

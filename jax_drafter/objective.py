@@ -155,8 +155,10 @@ def _chunked(h_TxD, lm_head_VxD, labels_T, teacher_TxD, lam: float, chunk_size: 
   return cut(obj), cut(pred), cut(kl)
 
 
-def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool):
-  """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE."""
+def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool,
+               reuse_exp: bool | None = None):
+  """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE.
+  reuse_exp: how the gradient's softmax is made (below); None = by the default backend."""
   w = w_VxD.astype(compute_dtype)
   # Contract D of both operands directly: XLA:CPU materialises `w.T` for `x @ w.T` (a [D, V] copy
   # per step, 3x the matmul's own time for SmolLM2's head); GPUs fold it either way.
@@ -166,7 +168,8 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
   # The gradient's softmax: on a CPU from the exp the log-sum-exp already made (one [C, V] buffer
   # more, 46 ms less of a 250 ms CPU step); on a GPU recomputed from the logits, so no second
   # [C, V] f32 buffer is kept alive (8192 x 49152 is 1.6 GB) and the memory plans stand.
-  reuse_exp = jax.default_backend() == "cpu"
+  if reuse_exp is None:
+    reuse_exp = jax.default_backend() == "cpu"
 
   def chunk(args):
     h_CxD, y_C, t_CxD = args

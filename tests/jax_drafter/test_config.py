@@ -37,8 +37,9 @@ def test_explicit_dtypes_are_kept_and_auto_never_survives_loading(monkeypatch):
   for dt in ("float32", "bfloat16"):
     cfg = build_config({"train": {"compute_dtype": dt}})
     assert resolve_compute_dtype(cfg, "gpu").train.compute_dtype == dt
+  # Native bf16 patched in: "auto" loads as bfloat16 whether JAX sees a GPU or a CPU.
   loaded = config_lib.load_config(None, ["train.compute_dtype=auto"])
-  assert loaded.train.compute_dtype in ("float32", "bfloat16")
+  assert loaded.train.compute_dtype == "bfloat16"
 
 
 def test_unknown_compute_dtype_is_a_config_error():

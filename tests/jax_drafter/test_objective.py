@@ -152,6 +152,34 @@ def test_chunked_cross_entropy_equals_unchunked_loss_and_gradients():
   assert (np.asarray(pred) == np.asarray(jnp.argmax(h @ head.T, -1))).all()
 
 
+@pytest.mark.parametrize("lam", [0.0, 0.5])
+def test_both_forms_of_the_fused_gradient_match_autodiff(lam):
+  """_ce_chunks makes the gradient's softmax from the log-sum-exp's exp on a CPU and recomputes
+  it on a GPU: both forms, plain CE and with a teacher, equal autodiff of the objective."""
+  T, D, V, C = 24, 16, 50, 8
+  h, head, y, _ = _ce_inputs(3, T, D, V)
+  teacher = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)), jnp.float32) if lam else None
+
+  def objective_t(h):
+    logits = h @ head.T
+    log_q = jax.nn.log_softmax(logits, -1)
+    ce = -log_q[jnp.arange(T), y]
+    if teacher is None:
+      return ce
+    log_p = jax.nn.log_softmax(teacher @ head.T, -1)
+    return (1 - lam) * ce + lam * jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)
+
+  ref_obj = objective_t(h)
+  ref_dh = jax.grad(lambda h: objective_t(h).sum())(h)
+  chunks = lambda x: None if x is None else x.reshape((T // C, C) + x.shape[1:])
+  for reuse in (True, False):
+    obj, pred, _, dh = objective._ce_chunks(chunks(h), head, chunks(y), chunks(teacher),
+                                            jnp.float32, lam, with_grad=True, reuse_exp=reuse)
+    np.testing.assert_allclose(obj.reshape(T), ref_obj, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dh.reshape(T, D), ref_dh, rtol=1e-5, atol=1e-6)
+    assert (np.asarray(pred).reshape(T) == np.asarray(jnp.argmax(h @ head.T, -1))).all()
+
+
 def test_chunked_ce_never_materialises_full_logits():
   T, D, V, C = 256, 8, 4096, 32
   h = jax.ShapeDtypeStruct((T, D), jnp.float32)
