@@ -1,0 +1,136 @@
+"""Where a regeneration batch's GPU time goes, at the recipe's shapes: bridge.generation's phases
+(prefill, CUDA-graph capture, graph-replayed decode steps, dropping finished rows) timed with CUDA
+events on a target of SmolLM2-135M's shapes (random weights), then the kernels of one prefill and
+one decode step from torch.profiler. Run on a GPU machine:
+
+  python scripts/profile_generation.py --shapes 512x256,512x1024,384x1792 --json prof.json
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from bridge import generation as G
+
+
+def _model():
+  from transformers import LlamaConfig, LlamaForCausalLM
+  cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(0)
+  return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+def _ms(fn, n=1):
+  torch.cuda.synchronize()
+  a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  a.record()
+  for _ in range(n):
+    out = fn()
+  b.record()
+  torch.cuda.synchronize()
+  return a.elapsed_time(b) / n, out
+
+
+def _kernels(fn, top):
+  from torch.profiler import ProfilerActivity, profile
+  torch.cuda.synchronize()
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    fn()
+    torch.cuda.synchronize()
+  rows = []
+  for e in prof.key_averages():
+    t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+    if t:
+      rows.append((t / 1e3, e.count, e.key[:90]))
+  rows.sort(reverse=True)
+  total = sum(r[0] for r in rows)
+  return total, rows[:top]
+
+
+@torch.inference_mode()
+def profile_shape(model, B, P, new, top):
+  g = torch.Generator().manual_seed(B * 7 + P)
+  prompts = [torch.randint(3, 49152, (int(torch.randint(int(P * 0.8), P + 1, (1,), generator=g)),),
+                           generator=g).tolist() for _ in range(B)]
+  res = dict(rows=B, prompt=P, new=new)
+  kw = G._cache_kw(model)
+  with G._folded_attention(model):
+    t0 = time.perf_counter()
+    batch = G._Batch(model, prompts, max_new_tokens=new, pad_id=2, cache_kw=kw)
+    torch.cuda.synchronize()
+    res["setup_ms"] = 1e3 * (time.perf_counter() - t0)
+    res["prefill_ms"], logits = _ms(batch.prefill)
+    tokens = logits.argmax(-1)
+    t0 = time.perf_counter()
+    batch.decode(tokens, 1, True)   # eager run + capture
+    torch.cuda.synchronize()
+    res["capture_ms"] = 1e3 * (time.perf_counter() - t0)
+    steps = min(64, new - 2)
+    t = iter(range(2, 2 + steps))
+    res["decode_graph_ms"], _ = _ms(lambda: batch.decode(tokens, next(t), True), steps)
+    # the host-side work generate_batch adds to every step (select, record, stop test)
+    out = torch.zeros((B, new), dtype=torch.long, device="cuda")
+    stops = torch.tensor([2], device="cuda")
+    done = torch.zeros(B, dtype=torch.bool, device="cuda")
+
+    def full_step(i=[2 + steps]):
+      lg = batch.decode(tokens, i[0], True)
+      nt = torch.where(done, 2, lg.argmax(-1))
+      out[batch.rows, i[0]] = nt
+      i[0] += 1
+      return done | torch.isin(nt, stops)
+    res["decode_step_full_ms"], _ = _ms(full_step, 32)
+    res["decode_eager_ms"], _ = _ms(lambda: batch.decode(tokens, 100, False), 4)
+    alive = torch.arange(0, B, 2, device="cuda")
+    t0 = time.perf_counter()
+    batch.keep(alive)
+    torch.cuda.synchronize()
+    res["keep_ms"] = 1e3 * (time.perf_counter() - t0)
+    tokens = tokens[alive]
+    t0 = time.perf_counter()
+    batch.decode(tokens, 101, True)
+    torch.cuda.synchronize()
+    res["recapture_ms"] = 1e3 * (time.perf_counter() - t0)
+    res["decode_graph_half_ms"], _ = _ms(lambda: batch.decode(tokens, 102, True), 16)
+    tot, rows = _kernels(lambda: batch.decode(tokens, 103, False), top)
+    res["decode_kernels"] = dict(total_ms=tot, top=rows)
+    batch2 = G._Batch(model, prompts, max_new_tokens=new, pad_id=2, cache_kw=kw)
+    tot, rows = _kernels(batch2.prefill, top)
+    res["prefill_kernels"] = dict(total_ms=tot, top=rows)
+  # what the bytes say: K/V read per decode step, weights once
+  kv = B * (P + new) * 30 * 2 * 3 * 64 * 2
+  res["kv_gb_per_step"] = kv / 1e9
+  return res
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shapes", default="512x256,512x1024,384x1792", help="ROWSxPROMPT,...")
+  p.add_argument("--new", type=int, default=192)
+  p.add_argument("--top", type=int, default=10)
+  p.add_argument("--json")
+  a = p.parse_args()
+  model = _model()
+  out = []
+  for s in a.shapes.split(","):
+    B, P = map(int, s.split("x"))
+    r = profile_shape(model, B, P, a.new, a.top)
+    out.append(r)
+    brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+             if not k.endswith("kernels")}
+    print(json.dumps(brief), flush=True)
+    for name in ("prefill_kernels", "decode_kernels"):
+      print(f"  {name}: {r[name]['total_ms']:.2f} ms of kernels")
+      for t, n, k in r[name]["top"]:
+        print(f"    {t:8.3f} ms  x{n:<5d} {k}")
+    torch.cuda.empty_cache()
+  if a.json:
+    json.dump(out, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
