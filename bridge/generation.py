@@ -12,9 +12,6 @@ Plain transformers, no custom model code: the target's own forward runs over a `
   - finished rows dropped from the batch every `check_every` steps once a quarter of them are done;
   - on CUDA, the decode step captured once as a CUDA graph per batch shape (python and launch
     overhead dominate a 135M-parameter model's step), falling back to eager if capture fails.
-    Every capture of a process after its first skips the eager warm-up run and allocates from one
-    shared graph memory pool (a recapture after dropping rows cost 70-150 ms at the recipe's
-    shapes on an H200, ~10 decode steps: `scripts/profile_generation.py`).
 Greedy decoding is exactly argmax of the target's logits at every step: tests compare it token for
 token with transformers' `generate` in float32.
 """
@@ -31,11 +28,6 @@ import torch
 log = logging.getLogger(__name__)
 
 _ATTN_NAME = "gqa_fold"  # no "flash" in the name: transformers treats those as flash-attn kernels
-
-# Per CUDA device: the graph memory pool every capture shares (the graphs of one device are never
-# replayed concurrently: a batch's old graph is dropped before its next capture), and whether a
-# capture ran there already (the first one runs the step eagerly first, to warm up lazy state).
-_GRAPH_POOLS: dict[int, object] = {}
 
 
 @dataclass
@@ -158,32 +150,24 @@ class _Batch:
     return self.static_logits
 
   def _capture(self, tokens, pos):
-    """Record the step as a graph whose replays read the static inputs and the in-place-updated
-    mask `valid`, then replay it for this step. The first capture on a device runs the step
-    eagerly on a side stream before (lazy initialisation must not happen inside a capture)."""
+    """Run this step eagerly on a side stream (it also warms up), then record the step as a graph
+    whose replays read the static inputs and the in-place-updated mask `valid`."""
     self.static_ids, self.static_pos = tokens[:, None].clone(), pos.clone()
     mask = self.valid[:, None, None, :]
-    index = self.dev.index if self.dev.index is not None else torch.cuda.current_device()
-    pool = _GRAPH_POOLS.get(index)
-    if pool is None:
-      side = torch.cuda.Stream(self.dev)
-      side.wait_stream(torch.cuda.current_stream(self.dev))
-      with torch.cuda.stream(side):
-        self._forward(self.static_ids, self.static_pos, mask)
-      torch.cuda.current_stream(self.dev).wait_stream(side)
-      pool = torch.cuda.graph_pool_handle()
-    self.graph = None  # the previous graph's memory returns to the pool before this capture
+    side = torch.cuda.Stream(self.dev)
+    side.wait_stream(torch.cuda.current_stream(self.dev))
+    with torch.cuda.stream(side):
+      logits = self._forward(self.static_ids, self.static_pos, mask)
+    torch.cuda.current_stream(self.dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: JAX shares the process (its threads poll events, copy, launch). In the default
     # "global" mode any such call from another thread during the capture invalidates it and puts
     # JAX's stream in an error state (seen at the end of a training run on the H200: the in-run
     # evaluation's capture failed and JAX died with "Callback registry is closed").
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
       self.static_logits = self._forward(self.static_ids, self.static_pos, mask)
-    _GRAPH_POOLS[index] = pool  # only once a capture succeeded: a failed one warms up again
     self.graph = graph
-    graph.replay()
-    return self.static_logits
+    return logits
 
   def keep(self, alive: torch.Tensor) -> None:
     """Drop the finished rows (cache, mask, lengths); the graph is recaptured for the new shape."""
