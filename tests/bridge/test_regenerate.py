@@ -253,3 +253,42 @@ def test_regenerated_ids_reach_the_packed_rows(model, tok, tmp_path, sharegpt_sa
             if rows[row][off:off + n] == ids and masks[row][off:off + n] == mask]
     assert hits, r["id"]
   assert ds.stats["train_conversations"] == len(recs)
+
+
+def test_generation_runs_in_a_worker_that_hands_back_items_errors_and_stops():
+  """`_in_background`: the items in order; the worker's exception raised in the caller; a caller
+  that stops early stops the worker at its next item and runs the generator's own clean-up."""
+  import sys
+  import threading
+  cpu = torch.device("cpu")
+  interval = sys.getswitchinterval()
+  assert list(rg._in_background(iter(range(50)), cpu)) == list(range(50))
+
+  def fails():
+    yield 1
+    raise RuntimeError("decode failed")
+
+  got = []
+  with pytest.raises(RuntimeError, match="decode failed"):
+    for x in rg._in_background(fails(), cpu):
+      got.append(x)
+  assert got == [1]
+
+  cleaned_in = []
+
+  def endless():
+    try:
+      n = 0
+      while True:
+        yield n
+        n += 1
+    finally:
+      cleaned_in.append(threading.current_thread().name)
+
+  with pytest.raises(KeyError):
+    for x in rg._in_background(endless(), cpu):
+      if x == 3:
+        raise KeyError("the caller's own error")
+  assert cleaned_in == ["regenerate-gpu"]      # closed by the worker, not left to the collector
+  assert not any(t.name == "regenerate-gpu" for t in threading.enumerate())
+  assert sys.getswitchinterval() == interval   # restored
