@@ -321,6 +321,9 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
   mismatches = [r["mismatch"] for r in rows if r["mismatch"]]
   return {
       "tau": float(np.mean(taus)) if taus else None,
+      # Its standard error over the prompts (responses differ far more than verify steps of one
+      # response do): two drafters evaluated on the same prompts compare prompt by prompt.
+      "tau_stderr": float(np.std(taus, ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
       "max_tau": block_size, "block_size": block_size, "max_new_tokens": max_new_tokens,
       "temperature": temperature, "num_prompts": len(rows), "target": target_name,
       "verify_steps": int(hist.sum()),
@@ -347,6 +350,8 @@ def _divergence_text(d: dict) -> str:
 
 def format_report(r: dict) -> str:
   tau = "n/a" if r["tau"] is None else f"{r['tau']:.3f}"
+  if r.get("tau_stderr") is not None:
+    tau += f" ± {r['tau_stderr']:.3f} (standard error over prompts)"
   tps = r["tokens_per_second"]
   fmt = lambda x, spec="{:.1f}": "n/a" if x is None else spec.format(x)
   hist = " ".join(f"{k}:{v}" for k, v in r["accept_length_histogram"].items() if v)

@@ -387,3 +387,16 @@ def test_batched_references_equal_decoded_ones(tiny_target, monkeypatch):
   tps = report["tokens_per_second"]
   assert tps["target_only_timed_prompts"] == 1 and tps["target_only_cached"] == 0
   assert report["lossless"]["passed"] is True
+
+
+def test_tau_is_the_mean_over_responses_with_its_standard_error():
+  row = lambda i, acc: dict(prompt=i, new_tokens=len(acc) + sum(acc), target_new_tokens=1,
+                            accepted=acc, tau=float(np.mean(acc) + 1), speculative_seconds=1.0,
+                            target_seconds=None, ties=[], mismatch=None)
+  rows = [row(0, [0, 0]), row(1, [3]), row(2, [1, 1, 1, 1])]   # taus 1, 4, 2
+  r = evaluate.summarize(rows, block_size=4, max_new_tokens=4, temperature=0.0, target_name="t")
+  assert r["tau"] == pytest.approx(7 / 3)
+  assert r["tau_stderr"] == pytest.approx(np.std([1, 4, 2], ddof=1) / np.sqrt(3))
+  assert f"tau = 2.333 ± {r['tau_stderr']:.3f} (standard error over prompts)" in evaluate.format_report(r)
+  assert evaluate.summarize(rows[:1], block_size=4, max_new_tokens=4, temperature=0.0,
+                            target_name="t")["tau_stderr"] is None
