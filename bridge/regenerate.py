@@ -109,11 +109,11 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
                              cache_path: str | os.PathLike | None, batch_rows: int = 256,
                              batch_tokens: int = 1 << 19, cuda_graph: bool | None = None,
                              progress: bool = True, stats: dict | None = None,
-                             fingerprint: str | None = None) -> list[dict]:
+                             fingerprint: str | None = None, concurrent: int = 1) -> list[dict]:
   """-> a record (module docstring) per conversation that kept at least one generated turn, in
   input order. Conversations whose first prompt has max_prompt_tokens or more tokens are skipped
   and counted in `stats` (not fatal). fingerprint: target_fingerprint(model, tokenizer) when the
-  caller has it already."""
+  caller has it already. concurrent: batches decoded at once (`generation.generate_many`)."""
   _check_target(tokenizer)
   stop = eos_token_ids(model, tokenizer, required=True)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
@@ -179,7 +179,7 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
           model, [p[0] for p in prompts], max_new_tokens=settings.max_new_tokens, stop_ids=stop,
           pad_id=pad, max_rows=batch_rows, max_tokens=batch_tokens,
           temperature=settings.temperature, generator=gen, cuda_graph=cuda_graph, stats=gstats,
-          on_batch=on_batch)
+          on_batch=on_batch, concurrent=concurrent)
       for k, new in _in_background(results, next(model.parameters()).device):
         c, (prompt_ids, segment_text) = waiting[k], prompts[k]
         left = len(c.turns) - 1

@@ -277,6 +277,9 @@ class DataSection:
   regenerate_sample_temperature: float = 0.8
   regenerate_batch_rows: int = 256          # sequences decoded at once
   regenerate_batch_tokens: int = 524288     # rows x (longest prompt + max_new_tokens) per batch
+  # Batches decoded at once, each by its own thread on its own CUDA streams (one's prefill and
+  # graph captures overlap the others' decode steps); each holds its own KV cache.
+  regenerate_concurrent_batches: int = 1
   regenerate_file: str | None = None        # JSONL cache; None: <cache_dir>/regenerated.jsonl
   seed: int = 0
   # A directory written by `python -m jax_drafter.cache_features`: training reads the target's
@@ -288,7 +291,8 @@ class DataSection:
       raise ConfigError(f"data.seq_len={self.seq_len} is too small (>= 8)")
     if self.batch_size < 1:
       raise ConfigError(f"data.batch_size={self.batch_size} must be >= 1")
-    for name in ("regenerate_max_new_tokens", "regenerate_batch_rows", "regenerate_batch_tokens"):
+    for name in ("regenerate_max_new_tokens", "regenerate_batch_rows", "regenerate_batch_tokens",
+                 "regenerate_concurrent_batches"):
       if getattr(self, name) < 1:
         raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 1")
     if self.regenerate_max_turns is not None and self.regenerate_max_turns < 1:

@@ -1,6 +1,7 @@
 """Decode throughput of bridge.generation on a target of SmolLM2-135M's shapes (random weights, so
-no row stops early: every row runs to max_new_tokens, the worst case for batching), CUDA graph vs
-eager, several batch sizes. Run on a GPU machine:  python scripts/bench_generation.py
+no row stops early: every row runs to max_new_tokens, the worst case for batching): CUDA graph,
+several batch sizes, one or several batches decoded at once (eager with --eager). Run on a GPU
+machine:  python scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 --concurrent 1,2
 """
 
 import argparse
@@ -17,6 +18,8 @@ def main():
   p.add_argument("--rows", default="64,256,512")
   p.add_argument("--prompt-len", type=int, default=128)
   p.add_argument("--new", type=int, default=256)
+  p.add_argument("--concurrent", default="1", help="batches decoded at once, e.g. 1,2")
+  p.add_argument("--eager", action="store_true", help="also time eager decoding")
   p.add_argument("--json")
   a = p.parse_args()
   from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,17 +34,21 @@ def main():
     prompts = [torch.randint(3, 49152, (int(torch.randint(a.prompt_len // 2, a.prompt_len + 1, (1,),
                                                           generator=g)),), generator=g).tolist()
                for _ in range(rows)]
-    for graph in (True, False):
-      kw = dict(max_new_tokens=a.new, stop_ids={2}, pad_id=2, max_rows=rows, cuda_graph=graph)
+    runs = [(True, int(c)) for c in a.concurrent.split(",")] + ([(False, 1)] if a.eager else [])
+    for graph, conc in runs:
+      kw = dict(max_new_tokens=a.new, stop_ids={2}, pad_id=2, max_rows=rows, cuda_graph=graph,
+                max_tokens=rows * (a.prompt_len + a.new))   # batches of exactly `rows` rows
       list(G.generate_many(model, prompts[:8], **dict(kw, max_new_tokens=8)))  # warm up
       torch.cuda.synchronize()
       st = G.GenerationStats()
       t0 = time.perf_counter()
-      list(G.generate_many(model, prompts, stats=st, **kw))
+      # `concurrent` batches of `rows` rows at once: the same prompts repeated per worker
+      list(G.generate_many(model, prompts * conc, stats=st, concurrent=conc, **kw))
       torch.cuda.synchronize()
       dt = time.perf_counter() - t0
-      r = dict(rows=rows, cuda_graph=graph, captured=st.cuda_graph, tokens=st.tokens, seconds=dt,
-               tokens_per_s=st.tokens / dt, ms_per_step=1e3 * dt / max(st.decode_steps, 1))
+      r = dict(rows=rows, concurrent=conc, cuda_graph=graph, captured=st.cuda_graph,
+               tokens=st.tokens, seconds=dt, tokens_per_s=st.tokens / dt,
+               ms_per_step=1e3 * dt * conc / max(st.decode_steps, 1))
       rows_out.append(r)
       print(json.dumps(r), flush=True)
   if a.json:

@@ -13,6 +13,7 @@
 #   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
 #                                               # 27B drafter's step on one GPU (issue #14)
 #   bash scripts/h200_checks.sh target-attention   # packed rows: flex block mask vs dense SDPA
+#   bash scripts/h200_checks.sh generation      # regeneration's decoder: GPU tests + tokens/s
 #   bash scripts/h200_checks.sh layouts-1gpu    # issue #13's one-GPU figures: target bound + shared
 #   bash scripts/h200_checks.sh learn-parity-recipe   # after a recipe pipeline, on its files
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
@@ -94,6 +95,11 @@ part_cmds() {
       PYTHONPATH=/tmp/site:. run timeout 500 python3 scripts/target_memory_check.py \
           --random qwen3.6-27b --shapes 1x8192,4x2048,67x122 --docs 4 \
           --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
+    generation)   # regeneration's decoder: its GPU tests (graph == eager, concurrent batches on
+                  # their own streams), then tokens/s at the recipe's shapes, 1 and 2 batches at once
+      run timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_generation_gpu.py
+      run timeout 200 python3 scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 \
+          --concurrent 1,2 --json "$OUT/bench-generation.json" ;;
     target-attention)  # target.attention: flex (block mask) against the dense-mask SDPA: the GPU
                        # test, then the features forward's speed and peak memory on packed rows
       run timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \

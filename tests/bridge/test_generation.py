@@ -89,6 +89,50 @@ def test_sampling_is_reproducible_and_differs_from_greedy(tiny):
   assert run(3) != G.generate_batch(tiny, prompts, max_new_tokens=8, stop_ids={99999}, pad_id=0)
 
 
+@pytest.mark.parametrize("concurrent", [2, 3])
+def test_concurrent_batches_give_the_sequential_results(tiny, concurrent):
+  """Worker threads decoding batches at once: the same tokens for every prompt, the same counts,
+  each batch reported once; sampled batches do not depend on how many workers ran them."""
+  prompts = _prompts([3, 17, 9, 30, 1, 12, 25, 6, 14])
+  refs = [_hf_greedy(tiny, p, 10, {99999}) for p in prompts]
+  stop = {refs[0][2], refs[3][5]}
+  kw = dict(max_new_tokens=10, stop_ids=stop, pad_id=0, max_rows=2)
+  seq_stats, stats, reported = G.GenerationStats(), G.GenerationStats(), []
+  seq = dict(G.generate_many(tiny, prompts, stats=seq_stats, **kw))
+  got = dict(G.generate_many(tiny, prompts, stats=stats, concurrent=concurrent,
+                             on_batch=lambda rows, toks: reported.append((rows, toks)), **kw))
+  assert got == seq and [seq[i] for i in range(len(prompts))] == \
+      [_hf_greedy(tiny, p, 10, stop) for p in prompts]
+  assert stats == seq_stats and stats.batches == 5
+  assert sorted(reported) == sorted((len(b), sum(len(got[i]) for i in b))
+                                    for b in G.plan_batches([len(p) for p in prompts],
+                                                            max_new_tokens=10, max_rows=2,
+                                                            max_tokens=1 << 19))
+  sample = lambda n, seed: dict(G.generate_many(
+      tiny, prompts, concurrent=n, temperature=1.0, generator=torch.Generator().manual_seed(seed),
+      **dict(kw, stop_ids={99999})))
+  assert sample(concurrent, 5) == sample(2, 5) != sample(concurrent, 6)
+  assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_a_failing_worker_stops_the_others_and_raises_in_the_caller(tiny, monkeypatch):
+  import threading
+  real, calls = G.generate_batch, []
+
+  def flaky(model, prompts, **kw):
+    calls.append(len(prompts))
+    if len(calls) == 2:
+      raise RuntimeError("CUDA error: out of memory")
+    return real(model, prompts, **kw)
+
+  monkeypatch.setattr(G, "generate_batch", flaky)
+  with pytest.raises(RuntimeError, match="out of memory"):
+    list(G.generate_many(tiny, _prompts([5] * 12), max_new_tokens=3, stop_ids={99999}, pad_id=0,
+                         max_rows=1, concurrent=2))
+  assert len(calls) < 12                        # the rest of the batches never started
+  assert not any(t.name.startswith("decode-") for t in threading.enumerate())
+
+
 def test_greedy_equals_hf_generate_on_smollm2(smollm2_target):
   """The real default target in float32 on real chat prompts."""
   tok, model = smollm2_target.tokenizer, smollm2_target.model

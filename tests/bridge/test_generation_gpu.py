@@ -44,3 +44,15 @@ def test_greedy_equals_hf_generate_f32_on_cuda():
                          do_sample=False, eos_token_id=[7], pad_token_id=0)[0, len(p):].tolist()
     ref = ref[:next((n + 1 for n, t in enumerate(ref) if t == 7), len(ref))]
     assert got[i] == ref, i
+
+
+def test_concurrent_batches_on_their_own_streams_equal_eager_bf16():
+  """Two workers decoding batches at once on their own CUDA streams, each capturing its graphs
+  (in turn) while the other replays: the tokens of one eager worker, in bf16."""
+  model, prompts = _model(torch.bfloat16), _prompts(64, seed=2)
+  stats = G.GenerationStats()
+  kw = dict(max_new_tokens=48, stop_ids={7, 11}, pad_id=0, max_rows=12)
+  both = dict(G.generate_many(model, prompts, cuda_graph=True, stats=stats, concurrent=2, **kw))
+  eager = dict(G.generate_many(model, prompts, cuda_graph=False, **kw))
+  assert stats.cuda_graph and stats.batches == 6
+  assert both == eager
