@@ -299,7 +299,7 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   kw = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
             temperature=temperature, cuda_graph=cuda_graph)
   with _folded_attention(model) if static else contextlib.nullcontext():
-    if concurrent == 1 or len(batches) == 1 or not static:
+    if concurrent == 1 or not static:
       for idx in batches:
         before = stats.tokens
         outs = run(model, [prompts[i] for i in idx], generator=generator, stats=stats, **kw)
