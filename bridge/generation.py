@@ -12,7 +12,8 @@ Plain transformers, no custom model code: the target's own forward runs over a `
   - finished rows dropped from the batch every `check_every` steps once a quarter of them are done;
   - on CUDA, the decode step captured once as a CUDA graph per batch shape (python and launch
     overhead dominate a 135M-parameter model's step), falling back to eager if capture fails;
-  - optionally (`concurrent=N`) N batches decoded at once by N worker threads, each on its own
+  - batches decoded by a worker thread while the caller consumes the results; with
+    `concurrent=N`, N batches at once by N worker threads, each on its own
     CUDA streams: one batch's prefill, graph capture and host syncs overlap the others' decode
     steps, whose small kernels leave most of the GPU idle (a decode step at 512 rows x 1024
     tokens is 7.1 ms of kernels in 11.6 ms of graph replay on an H200). Each batch holds its own
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import sys
 import threading
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator, Sequence
@@ -282,10 +284,13 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   """Yields (prompt index, new tokens) batch by batch (longest prompts first). Targets with
   sliding-window or linear-attention layers go through transformers' `generate` instead.
 
-  concurrent > 1: that many batches at once, each decoded by a worker thread on its own CUDA
-  streams; batches are yielded as they finish. Greedy results are those of concurrent=1; sampled
-  ones draw from one generator per batch, seeded in batch order from `generator`, so they do not
-  depend on the workers' timing (but differ from concurrent=1's single stream of draws)."""
+  Batches are decoded by worker threads while the caller consumes what they yield, so the
+  caller's own work (regeneration's templates and records) overlaps the decoding. concurrent=1:
+  one worker, batches in order, sampling from `generator` batch after batch. concurrent > 1:
+  that many batches at once, each worker on its own CUDA streams, yielded as they finish; greedy
+  results are those of concurrent=1, sampled ones draw from one generator per batch, seeded in
+  batch order from `generator`, so they do not depend on the workers' timing (but differ from
+  concurrent=1's single stream of draws)."""
   if concurrent < 1:
     raise ValueError(f"{concurrent=} must be >= 1")
   stats = stats if stats is not None else GenerationStats()
@@ -295,19 +300,11 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
                 "generate (slower than the static-cache path)", type(model).__name__)
   batches = plan_batches([len(p) for p in prompts], max_new_tokens=max_new_tokens,
                          max_rows=max_rows, max_tokens=max_tokens)
-  run = generate_batch if static else _generate_batch_hf
   kw = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
             temperature=temperature, cuda_graph=cuda_graph)
   with _folded_attention(model) if static else contextlib.nullcontext():
-    if concurrent == 1 or not static:
-      for idx in batches:
-        before = stats.tokens
-        outs = run(model, [prompts[i] for i in idx], generator=generator, stats=stats, **kw)
-        if on_batch is not None:
-          on_batch(len(idx), stats.tokens - before)
-        yield from zip(idx, outs)
-      return
-    for idx, outs, part in _concurrent_batches(model, prompts, batches, concurrent, generator, kw):
+    for idx, outs, part in _decode_in_threads(model, prompts, batches, concurrent if static else 1,
+                                              generator, static, kw):
       _add_stats(stats, part)
       if on_batch is not None:
         on_batch(len(idx), part.tokens)
@@ -320,17 +317,21 @@ def _add_stats(total: GenerationStats, part: GenerationStats) -> None:
     setattr(total, f.name, (a or b) if isinstance(a, bool) else a + b)
 
 
-def _concurrent_batches(model, prompts, batches, n, generator, kw):
+def _decode_in_threads(model, prompts, batches, n, generator, static, kw):
   """Yields (indices, outputs, stats) of each batch as one of `n` worker threads finishes it.
-  Each worker decodes on its own CUDA streams (compute, warm-up, capture), taken from torch's
-  stream pool here, before any worker starts, so no two workers ever share one."""
+  n > 1: each worker decodes on its own CUDA streams (compute, warm-up, capture), taken from
+  torch's stream pool here, before any worker starts, so no two workers ever share one. A worker's
+  error is raised here; a caller that stops early stops the workers after their current batch."""
   dev = next(model.parameters()).device
   cuda = dev.type == "cuda"
   seeds = None
-  if kw["temperature"] > 0:   # one generator per batch, seeded in batch order
+  if n > 1 and kw["temperature"] > 0:   # one generator per batch, seeded in batch order
     g = generator if generator is not None else torch.Generator(device=dev).manual_seed(0)
     seeds = [int(torch.randint(0, 2**62, (1,), generator=g, device=g.device)) for _ in batches]
-  streams = [tuple(torch.cuda.Stream(dev) for _ in range(3)) if cuda else None for _ in range(n)]
+  own_streams = n > 1 and cuda
+  streams = [tuple(torch.cuda.Stream(dev) for _ in range(3)) if own_streams else None
+             for _ in range(n)]
+  run = generate_batch if static else _generate_batch_hf
   todo: queue.Queue = queue.Queue()
   for b in range(len(batches)):
     todo.put(b)
@@ -340,19 +341,18 @@ def _concurrent_batches(model, prompts, batches, n, generator, kw):
   def work(own):
     try:
       if cuda:
-        torch.cuda.set_device(dev)
-      with torch.cuda.stream(own[0]) if cuda else contextlib.nullcontext():
+        torch.cuda.set_device(dev)  # per thread: graph capture streams use the current device
+      with torch.cuda.stream(own[0]) if own else contextlib.nullcontext():
         while not stop.is_set():
           try:
             b = todo.get_nowait()
           except queue.Empty:
             break
-          gen = None
-          if seeds is not None:
-            gen = torch.Generator(device=dev).manual_seed(seeds[b])
+          gen = generator if seeds is None else torch.Generator(device=dev).manual_seed(seeds[b])
           part = GenerationStats()
-          outs = generate_batch(model, [prompts[i] for i in batches[b]], generator=gen,
-                                stats=part, streams=own[1:] if cuda else None, **kw)
+          extra = {"streams": own[1:]} if own else {}
+          outs = run(model, [prompts[i] for i in batches[b]], generator=gen, stats=part,
+                     **kw, **extra)
           done.put((batches[b], outs, part, None))
     except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
       stop.set()
@@ -362,6 +362,10 @@ def _concurrent_batches(model, prompts, batches, n, generator, kw):
 
   workers = [threading.Thread(target=work, args=(streams[w],), name=f"decode-{w}", daemon=True)
              for w in range(min(n, len(batches)))]
+  # The caller's Python (e.g. template rendering) can hold the GIL for long stretches: switch
+  # threads every 0.5 ms (default 5) so a worker's few lines per decode step are not held up.
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(min(interval, 5e-4))
   for t in workers:
     t.start()
   try:
@@ -379,6 +383,7 @@ def _concurrent_batches(model, prompts, batches, n, generator, kw):
     stop.set()
     for t in workers:
       t.join()
+    sys.setswitchinterval(interval)
 
 
 @torch.inference_mode()

@@ -24,13 +24,10 @@ import hashlib
 import json
 import logging
 import os
-import queue
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -160,8 +157,8 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
   try:
     # Turn by turn over all conversations: every conversation's next prompt is generated in one
     # generate_many call (length-sorted batches). The host's share (templates, tokenisation,
-    # records) runs while the GPU decodes the next batch: generation runs in a worker thread, and
-    # a conversation's next prompt is prepared as soon as its turn comes back.
+    # records) runs while the GPU decodes the next batch (generate_many decodes in worker
+    # threads), and a conversation's next prompt is prepared as soon as its turn comes back.
     pending = []
     for i in todo:
       c = _start(i, conversations[i], settings)
@@ -180,7 +177,7 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
           pad_id=pad, max_rows=batch_rows, max_tokens=batch_tokens,
           temperature=settings.temperature, generator=gen, cuda_graph=cuda_graph, stats=gstats,
           on_batch=on_batch, concurrent=concurrent)
-      for k, new in _in_background(results, next(model.parameters()).device):
+      for k, new in results:
         c, (prompt_ids, segment_text) = waiting[k], prompts[k]
         left = len(c.turns) - 1
         if _add_turn(tokenizer, c, prompt_ids, segment_text, new, stop, settings.close_cut_turns):
@@ -205,51 +202,6 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
     log.warning("regenerate: skipped %d conversations whose first prompt has %s or more tokens",
                 counts["skipped_long_prompt"], settings.max_prompt_tokens)
   return [out[i] for i in range(len(conversations)) if i in out]
-
-
-def _in_background(items: Iterator, device: torch.device) -> Iterator:
-  """Yields what `items` yields, running it in a worker thread that stays ahead of the caller (the
-  GPU keeps decoding while the caller's Python works). The worker's exception is raised here; if
-  the caller stops early (an exception, Ctrl-C), the worker stops at its next item."""
-  q: queue.Queue = queue.Queue()
-  stop = threading.Event()
-  done = object()
-
-  def work():
-    try:
-      if device.type == "cuda":
-        torch.cuda.set_device(device)  # per thread: graph capture streams use the current device
-      for item in items:
-        if stop.is_set():
-          break
-        q.put((item, None))
-    except BaseException as e:  # noqa: BLE001 (handed to the caller)
-      q.put((done, e))
-      return
-    finally:
-      close = getattr(items, "close", None)
-      if close is not None:
-        close()  # a generator's own clean-up runs here, in its thread
-    q.put((done, None))
-
-  # The caller's template rendering holds the GIL for long stretches: switch threads every 0.5 ms
-  # (default 5) so the worker's few Python lines per decode step are never held up for long.
-  interval = sys.getswitchinterval()
-  sys.setswitchinterval(min(interval, 5e-4))
-  worker = threading.Thread(target=work, name="regenerate-gpu", daemon=True)
-  worker.start()
-  try:
-    while True:
-      item, err = q.get()
-      if item is done:
-        if err is not None:
-          raise err
-        return
-      yield item
-  finally:
-    stop.set()
-    worker.join()
-    sys.setswitchinterval(interval)
 
 
 def _start(index: int, conv: dict, settings: Settings) -> _Conv:

@@ -115,7 +115,8 @@ def test_concurrent_batches_give_the_sequential_results(tiny, concurrent):
   assert tiny.config._attn_implementation == "sdpa"
 
 
-def test_a_failing_worker_stops_the_others_and_raises_in_the_caller(tiny, monkeypatch):
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_a_failing_worker_stops_the_others_and_raises_in_the_caller(tiny, monkeypatch, concurrent):
   import threading
   real, calls = G.generate_batch, []
 
@@ -128,9 +129,38 @@ def test_a_failing_worker_stops_the_others_and_raises_in_the_caller(tiny, monkey
   monkeypatch.setattr(G, "generate_batch", flaky)
   with pytest.raises(RuntimeError, match="out of memory"):
     list(G.generate_many(tiny, _prompts([5] * 12), max_new_tokens=3, stop_ids={99999}, pad_id=0,
-                         max_rows=1, concurrent=2))
+                         max_rows=1, concurrent=concurrent))
   assert len(calls) < 12                        # the rest of the batches never started
   assert not any(t.name.startswith("decode-") for t in threading.enumerate())
+
+
+def test_decoding_runs_beside_the_caller_and_stops_with_it(tiny, monkeypatch):
+  """Batches are decoded in a worker thread (in plan order for one worker) while the caller
+  consumes; a caller that stops early stops the worker after its current batch, and the model's
+  attention, the threads and the interpreter's switch interval are as before."""
+  import sys
+  import threading
+  import time
+  interval = sys.getswitchinterval()
+  real, ran_in = G.generate_batch, []
+
+  def slow(model, prompts, **kw):
+    ran_in.append(threading.current_thread().name)
+    time.sleep(0.05)
+    return real(model, prompts, **kw)
+
+  monkeypatch.setattr(G, "generate_batch", slow)
+  prompts = _prompts([12, 11, 10, 9, 8, 7, 6, 5])
+  kw = dict(max_new_tokens=3, stop_ids={99999}, pad_id=0, max_rows=1)
+  order = [i for i, _ in G.generate_many(tiny, prompts, **kw)]
+  assert order == list(range(8)) and ran_in == ["decode-0"] * 8   # longest first = index order
+  ran_in.clear()
+  for i, _ in G.generate_many(tiny, prompts, **kw):
+    break                                                # the caller stops after one result
+  assert 1 <= len(ran_in) <= 3                           # the worker did not run on to the end
+  assert not any(t.name.startswith("decode-") for t in threading.enumerate())
+  assert tiny.config._attn_implementation == "sdpa"
+  assert sys.getswitchinterval() == interval
 
 
 def test_greedy_equals_hf_generate_on_smollm2(smollm2_target):
