@@ -495,7 +495,7 @@ def resolve_compute_dtype(cfg: RunConfig, platform: str | None = None) -> RunCon
     platform = parse_device(t.devices[0], "train.devices")[0]   # None for a bare index
   if platform is None:
     import jax
-    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda", "rocm") else "cpu"
+    platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
   dtype = "bfloat16" if platform == "gpu" or cpu_has_native_bf16() else "float32"
   return dataclasses.replace(cfg, train=dataclasses.replace(t, compute_dtype=dtype))
 

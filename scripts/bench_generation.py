@@ -13,6 +13,17 @@ import torch
 from bridge import generation as G
 
 
+def smollm2_shaped_model():
+  """SmolLM2-135M's architecture with random weights, bf16 on the GPU (speed does not depend on
+  the weights; random ones never stop early)."""
+  from transformers import LlamaConfig, LlamaForCausalLM
+  cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(0)
+  return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--rows", default="64,256,512")
@@ -22,12 +33,7 @@ def main():
   p.add_argument("--eager", action="store_true", help="also time eager decoding")
   p.add_argument("--json")
   a = p.parse_args()
-  from transformers import LlamaConfig, LlamaForCausalLM
-  cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-  torch.manual_seed(0)
-  model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+  model = smollm2_shaped_model()
   rows_out = []
   for rows in [int(r) for r in a.rows.split(",")]:
     g = torch.Generator().manual_seed(rows)

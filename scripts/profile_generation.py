@@ -12,16 +12,8 @@ import time
 
 import torch
 
+from bench_generation import smollm2_shaped_model  # scripts/ is on the path when run as a script
 from bridge import generation as G
-
-
-def _model():
-  from transformers import LlamaConfig, LlamaForCausalLM
-  cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-  torch.manual_seed(0)
-  return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
 
 def _ms(fn, n=1):
@@ -114,7 +106,7 @@ def main():
   p.add_argument("--top", type=int, default=10)
   p.add_argument("--json")
   a = p.parse_args()
-  model = _model()
+  model = smollm2_shaped_model()
   out = []
   for s in a.shapes.split(","):
     B, P = map(int, s.split("x"))
