@@ -107,10 +107,12 @@ part_cmds() {
       run timeout 300 python3 scripts/target_forward_bench.py --json "$OUT/target-forward.json" ;;
     layouts-1gpu)  # issue #13 on one GPU: the target-forward bound and the shared layout
                    # (SmolLM2-1.7B shapes, random weights, 3-layer drafter, 8 x 2048, 256 anchors).
-                   # A tokenizer directory in LAYOUT_TOKENIZER (default .gpu_c/tokenizer: the
-                   # SmolLM2 tokenizer saved with save_pretrained) and ShareGPT rows in LAYOUT_DATA.
-      run timeout 520 python3 scripts/layouts_bench.py --tokenizer "${LAYOUT_TOKENIZER:-.gpu_c/tokenizer}" \
-          --data "${LAYOUT_DATA:-/tmp/dflash/sharegpt_user_turns.jsonl}" --layouts shared --out /tmp/layouts
+                   # A tokenizer directory in LAYOUT_TOKENIZER (default .gpu_t/tokenizer: the
+                   # SmolLM2 tokenizer saved with save_pretrained) and ShareGPT rows in LAYOUT_DATA
+                   # (default .gpu_t/sharegpt4200.jsonl: the packaged ShareGPT's first 4200
+                   # conversations as JSONL); carry .gpu_t.
+      run timeout 520 python3 scripts/layouts_bench.py --tokenizer "${LAYOUT_TOKENIZER:-.gpu_t/tokenizer}" \
+          --data "${LAYOUT_DATA:-.gpu_t/sharegpt4200.jsonl}" --layouts shared --out /tmp/layouts
       cp /tmp/layouts/layouts.json /tmp/layouts/shared.log "$OUT/" 2>/dev/null
       [ -f /tmp/layouts/shared/metrics.jsonl ] && gzip -c /tmp/layouts/shared/metrics.jsonl > "$OUT/layouts-shared-metrics.jsonl.gz" ;;
     learn-parity-recipe)  # issue #11: JAX vs the PyTorch reference drafter learning at the recipe's

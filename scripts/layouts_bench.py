@@ -150,7 +150,9 @@ def main(argv=None) -> int:
   common = [f"target.path={target_dir}", f"target.dtype={dtype}", f"data.path={args.data}",
             "data.max_conversations=4000", "data.held_out=8", f"data.seq_len={args.seq}",
             f"data.batch_size={args.rows}", "data.cache_dir=null",
-            f"drafter.num_hidden_layers={args.drafter_layers}", "drafter.block_size=16",
+            f"drafter.num_hidden_layers={args.drafter_layers}",
+            f"drafter.layer_types=[{', '.join(['full_attention'] * args.drafter_layers)}]",
+            "drafter.block_size=16",
             f"train.num_anchors={args.anchors}", f"train.steps={args.steps}",
             f"train.compute_dtype={dtype}", "train.checkpoint_every=100000",
             "train.log_every=50", "train.tensorboard=false", "train.eval_prompts=0"]
