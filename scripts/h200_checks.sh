@@ -113,7 +113,7 @@ part_cmds() {
                    # conversations as JSONL); carry .gpu_t.
       run timeout 520 python3 scripts/layouts_bench.py --tokenizer "${LAYOUT_TOKENIZER:-.gpu_t/tokenizer}" \
           --data "${LAYOUT_DATA:-.gpu_t/sharegpt4200.jsonl}" --layouts shared --out /tmp/layouts
-      cp /tmp/layouts/layouts.json /tmp/layouts/shared.log "$OUT/" 2>/dev/null
+      cp /tmp/layouts/layouts.json /tmp/layouts/shared.log /tmp/layouts/drafter-alone.log "$OUT/" 2>/dev/null
       [ -f /tmp/layouts/shared/metrics.jsonl ] && gzip -c /tmp/layouts/shared/metrics.jsonl > "$OUT/layouts-shared-metrics.jsonl.gz" ;;
     learn-parity-recipe)  # issue #11: JAX vs the PyTorch reference drafter learning at the recipe's
                           # shapes, on what a finished h200_recipe.sh pipeline left in /tmp/dflash
