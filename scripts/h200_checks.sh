@@ -7,8 +7,8 @@
 #   bash scripts/h200_checks.sh kernel-tests kernel-smollm2   # the tests, the SmolLM2-shaped bench
 #   bash scripts/h200_checks.sh parity          # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
 #   bash scripts/h200_checks.sh memory          # predicted vs measured peak, 27B 8k/64k, budget 131k
-#   bash scripts/h200_checks.sh bench           # full step JAX vs PyTorch, 27b-8k (+ JAX breakdown,
-#                                               # + JAX with per-layer remat)
+#   bash scripts/h200_checks.sh bench           # full step JAX vs both PyTorch rows, 27b-8k
+#   bash scripts/h200_checks.sh bench-breakdown # the JAX step's parts + JAX with per-layer remat
 #   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
 #   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
 #                                               # 27B drafter's step on one GPU (issue #14)
@@ -58,9 +58,13 @@ part_cmds() {
       done
       run timeout 300 python3 -m jax_drafter.tools.memory --config 27b-8k --seq-len 131072 \
           --anchors 4096 --budget 96GiB --run --no-scaling ;;
-    bench)
-      run timeout 420 python3 -m jax_drafter.tools.bench --case 27b-8k --breakdown 27b-8k --timeout 400 \
-          --json "$OUT/bench.json"
+    bench)          # the three rows of 27b-8k in one call: on one H200 (2026-12-02) the JAX row
+                    # took ~35 s, each PyTorch row ~125-141 s of compilation before its timed steps
+      run timeout 570 python3 -m jax_drafter.tools.bench --case 27b-8k --timeout 260 \
+          --json "$OUT/bench.json" ;;
+    bench-breakdown)  # the JAX step's parts, and the JAX row with per-layer remat
+      run timeout 300 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --breakdown 27b-8k \
+          --timeout 280 --json "$OUT/bench-breakdown.json"
       run timeout 140 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --remat layer \
           --timeout 130 --json "$OUT/bench-remat.json" ;;
     bench-all)
