@@ -114,7 +114,20 @@ def run_layout(name: str, overrides: list[str], common: list[str], out: str, env
   return res
 
 
-def main(argv=None) -> int:
+def train_overrides(args, target_dir: str, dtype: str) -> list[str]:
+  """The `python -m jax_drafter.train` overrides every layout shares (on top of the default config)."""
+  return [f"target.path={target_dir}", f"target.dtype={dtype}", f"data.path={args.data}",
+          "data.max_conversations=4000", "data.held_out=8", f"data.seq_len={args.seq}",
+          f"data.batch_size={args.rows}", "data.cache_dir=null",
+          f"drafter.num_hidden_layers={args.drafter_layers}",
+          f"drafter.layer_types=[{', '.join(['full_attention'] * args.drafter_layers)}]",
+          "drafter.block_size=16",
+          f"train.num_anchors={args.anchors}", f"train.steps={args.steps}",
+          f"train.compute_dtype={dtype}", "train.checkpoint_every=100000",
+          "train.log_every=50", "train.tensorboard=false", "train.eval_prompts=0"]
+
+
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tokenizer", required=True, help="a directory with the target's tokenizer")
   p.add_argument("--data", required=True, help="ShareGPT JSON/JSONL for the rows")
@@ -127,6 +140,11 @@ def main(argv=None) -> int:
   p.add_argument("--drafter-layers", type=int, default=3)
   p.add_argument("--cpu", action="store_true", help="smoke test on JAX host devices")
   p.add_argument("--out", default="layouts-results")
+  return p
+
+
+def main(argv=None) -> int:
+  p = parser()
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   dtype = "float32" if args.cpu else "bfloat16"
@@ -147,15 +165,7 @@ def main(argv=None) -> int:
   del t
   bound = target_bound(target_dir, "cpu" if args.cpu else "cuda:0", dtype, args.rows, args.seq,
                        dcfg.target_layer_ids)
-  common = [f"target.path={target_dir}", f"target.dtype={dtype}", f"data.path={args.data}",
-            "data.max_conversations=4000", "data.held_out=8", f"data.seq_len={args.seq}",
-            f"data.batch_size={args.rows}", "data.cache_dir=null",
-            f"drafter.num_hidden_layers={args.drafter_layers}",
-            f"drafter.layer_types=[{', '.join(['full_attention'] * args.drafter_layers)}]",
-            "drafter.block_size=16",
-            f"train.num_anchors={args.anchors}", f"train.steps={args.steps}",
-            f"train.compute_dtype={dtype}", "train.checkpoint_every=100000",
-            "train.log_every=50", "train.tensorboard=false", "train.eval_prompts=0"]
+  common = train_overrides(args, target_dir, dtype)
   env = dict(os.environ, PYTHONPATH=os.getcwd())
   if args.cpu:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
