@@ -3,6 +3,7 @@
 tests/ is on sys.path under pytest (its conftest.py puts it there): `from tiny_fixtures import ...`.
 """
 
+import importlib.util
 import json
 import os
 
@@ -14,6 +15,15 @@ from flax import nnx
 from bridge.target import Target
 from jax_drafter.config import DrafterConfig, load_config
 from jax_drafter.model import Drafter
+
+
+def load_script(filename: str):
+  """A file of scripts/ (not a package) imported as a module, for tests of its CPU side."""
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", filename)
+  spec = importlib.util.spec_from_file_location(os.path.splitext(filename)[0], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def tiny_run_config(target_dir, data, out, *extra):

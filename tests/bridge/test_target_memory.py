@@ -464,12 +464,8 @@ def test_flex_document_attention_on_cuda(tmp_path):
 # ---- scripts/target_memory_check.py (the GPU check; its CPU side here) ----
 
 def _check_script():
-  import importlib.util
-  path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "target_memory_check.py")
-  spec = importlib.util.spec_from_file_location("target_memory_check", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  from tiny_fixtures import load_script
+  return load_script("target_memory_check.py")
 
 
 def test_the_check_script_has_the_27b_hybrid_shapes_and_packs_documents(capsys):

@@ -1,28 +1,18 @@
 """scripts/layouts_bench.py (issue #13's GPU table): the training overrides it gives every layout
 make a valid run config and drafter for each drafter depth (a CPU check: the GPU run is minutes)."""
 
-import importlib.util
-import os
-
 import pytest
 from transformers import LlamaConfig
 
 from bridge.target import info_from_config
 from jax_drafter.config import load_config, resolve_drafter
 from jax_drafter.train import DEFAULT_CONFIG
-
-
-def _script():
-  path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "layouts_bench.py")
-  spec = importlib.util.spec_from_file_location("layouts_bench", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+from tiny_fixtures import load_script
 
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_every_layout_gets_a_valid_config(tmp_path, layers):
-  bench = _script()
+  bench = load_script("layouts_bench.py")
   args = bench.parser().parse_args(["--tokenizer", "tok", "--data", "rows.jsonl",
                                     "--drafter-layers", str(layers), "--seq", "512"])
   overrides = bench.train_overrides(args, str(tmp_path), "bfloat16")
