@@ -40,6 +40,9 @@ _ATTN_NAME = "gqa_fold"  # no "flash" in the name: transformers treats those as 
 # One CUDA-graph capture at a time in the process: concurrent batches capture in turn (the other
 # workers keep replaying their graphs meanwhile).
 _CAPTURE_LOCK = threading.Lock()
+# Tokens (rows x prompt columns) per prefill chunk: ~0.4 GiB per MLP activation at SmolLM2's
+# width, large enough that the chunks' matmuls stay efficient.
+PREFILL_TOKENS = 1 << 17
 
 
 @dataclass
@@ -141,14 +144,22 @@ class _Batch:
                      logits_to_keep=1, **{self.cache_kw: self.cache})
     return out.logits[:, -1]
 
-  def prefill(self) -> torch.Tensor:
-    """-> logits [B, V] after the prompts. Padding queries see only themselves (no empty rows)."""
-    P, M = self.P, self.M
-    i = torch.arange(P, device=self.dev)[:, None]
-    j = torch.arange(M, device=self.dev)[None]
-    mask = (self.valid[:, None, None, :] & (j <= i)) | (j == i)
+  def prefill(self, max_tokens: int | None = None) -> torch.Tensor:
+    """-> logits [B, V] after the prompts. Padding queries see only themselves (no empty rows).
+    The prompts' columns go through the model in chunks of at most `max_tokens` tokens (B rows x
+    columns), each appending its K/V to the cache: the temporaries of a chunk (MLP activations,
+    the chunk's mask) stay bounded whatever the batch, instead of growing with rows x prompt
+    length (3.4 GiB for one MLP activation of a 1024-row batch of 1100-token prompts)."""
+    B, P, M = self.ids.shape[0], self.P, self.M
     pos = (self.valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
-    return self._forward(self.ids, pos, mask)
+    j = torch.arange(M, device=self.dev)[None]
+    step = max(1, (max_tokens or PREFILL_TOKENS) // B)
+    for c0 in range(0, P, step):
+      c1 = min(P, c0 + step)
+      i = torch.arange(c0, c1, device=self.dev)[:, None]
+      mask = (self.valid[:, None, None, :] & (j <= i)) | (j == i)
+      logits = self._forward(self.ids[:, c0:c1], pos[:, c0:c1], mask)
+    return logits
 
   def decode(self, tokens: torch.Tensor, t: int, use_graph: bool) -> torch.Tensor:
     """Feed the token generated at step t-1 (cache column P + t - 1). -> logits [B, V]."""

@@ -1,7 +1,7 @@
 """Decode throughput of bridge.generation on a target of SmolLM2-135M's shapes (random weights, so
 no row stops early: every row runs to max_new_tokens, the worst case for batching): CUDA graph,
-several batch sizes, one or several batches decoded at once (eager with --eager). Run on a GPU
-machine:  python scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 --concurrent 1,2
+several batch sizes, one or several batches decoded at once (eager with --eager); the peak of
+torch's allocated and reserved memory per run. Run on a GPU machine:  python scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 --concurrent 1,2
 """
 
 import argparse
@@ -46,6 +46,8 @@ def main():
                 max_tokens=rows * (a.prompt_len + a.new))   # batches of exactly `rows` rows
       list(G.generate_many(model, prompts[:8], **dict(kw, max_new_tokens=8)))  # warm up
       torch.cuda.synchronize()
+      torch.cuda.empty_cache()
+      torch.cuda.reset_peak_memory_stats()
       st = G.GenerationStats()
       t0 = time.perf_counter()
       # `concurrent` batches of `rows` rows at once: the same prompts repeated per worker
@@ -54,7 +56,9 @@ def main():
       dt = time.perf_counter() - t0
       r = dict(rows=rows, concurrent=conc, cuda_graph=graph, captured=st.cuda_graph,
                tokens=st.tokens, seconds=dt, tokens_per_s=st.tokens / dt,
-               ms_per_step=1e3 * dt * conc / max(st.decode_steps, 1))
+               ms_per_step=1e3 * dt * conc / max(st.decode_steps, 1),
+               peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+               peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
       rows_out.append(r)
       print(json.dumps(r), flush=True)
   if a.json:

@@ -103,7 +103,10 @@ part_cmds() {
                   # their own streams), then tokens/s at the recipe's shapes, 1 and 2 batches at once
       run timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_generation_gpu.py
       run timeout 200 python3 scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 \
-          --concurrent 1,2 --json "$OUT/bench-generation.json" ;;
+          --concurrent 1,2 --json "$OUT/bench-generation.json"
+      # long prompts (the later turns of the every-turn data): the prefill's chunks, the peak memory
+      run timeout 200 python3 scripts/bench_generation.py --rows 1024 --prompt-len 1800 --new 192 \
+          --concurrent 1,2 --json "$OUT/bench-generation-long.json" ;;
     target-attention)  # target.attention: flex (block mask) against the dense-mask SDPA: the GPU
                        # test, then the features forward's speed and peak memory on packed rows
       run timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \

@@ -43,8 +43,13 @@ def test_plan_batches_sorts_by_length_and_respects_budget():
   assert sorted(i for b in batches for i in b) == list(range(6))
 
 
-@pytest.mark.parametrize("check_every", [16, 2])  # 2: finished rows are dropped mid-decode
-def test_greedy_equals_hf_generate_on_a_random_target(tiny, check_every):
+# check_every 2: finished rows are dropped mid-decode. prefill_tokens: the prompts' prefill in
+# chunks of one column (6 rows x 1) or two (13 // 6), not in one forward.
+@pytest.mark.parametrize("check_every,prefill_tokens", [(16, None), (2, None), (16, 6), (16, 13)])
+def test_greedy_equals_hf_generate_on_a_random_target(tiny, check_every, prefill_tokens,
+                                                      monkeypatch):
+  if prefill_tokens:
+    monkeypatch.setattr(G, "PREFILL_TOKENS", prefill_tokens)
   # Stop on a token the random model emits early for some prompts, so rows finish at different
   # steps (exercises the finished-row mask and, with check_every=2, the compaction).
   prompts = _prompts([3, 17, 9, 30, 1, 12])

@@ -35,7 +35,10 @@ def test_cuda_graph_equals_eager_bf16():
   assert graph == eager
 
 
-def test_greedy_equals_hf_generate_f32_on_cuda():
+@pytest.mark.parametrize("prefill_tokens", [None, 16])   # 16: the prompts' prefill in chunks
+def test_greedy_equals_hf_generate_f32_on_cuda(prefill_tokens, monkeypatch):
+  if prefill_tokens:
+    monkeypatch.setattr(G, "PREFILL_TOKENS", prefill_tokens)
   model, prompts = _model(torch.float32), _prompts(12, seed=1)
   got = dict(G.generate_many(model, prompts, max_new_tokens=24, stop_ids={7}, pad_id=0, max_rows=5))
   for i, p in enumerate(prompts):

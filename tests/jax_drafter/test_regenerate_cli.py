@@ -76,3 +76,37 @@ def test_sampled_answers_need_a_temperature():
   from jax_drafter.config import ConfigError
   with pytest.raises(ConfigError, match="regenerate_sample_temperature"):
     load_config(None, ["data.regenerate_samples=2", "data.regenerate_sample_temperature=0"])
+
+
+def test_out_of_memory_names_the_settings_and_keeps_the_finished_conversations(
+    tiny_target_dir, sharegpt_sample, tmp_path, monkeypatch, capsys):
+  """The device running out of memory mid-regeneration (seen on an H200 with two concurrent
+  batches): one message naming the two settings to lower, exit 1, and the batches finished before
+  it stay in the cache, so a rerun generates only the rest."""
+  import torch
+
+  from bridge import generation
+  common = ["--config", "/dev/null", f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}",
+            "data.max_conversations=8", "data.held_out=2", "data.seq_len=256",
+            "data.regenerate_max_new_tokens=4", "data.regenerate_max_turns=1",
+            "data.regenerate_batch_rows=2", "--quiet", "--out", str(tmp_path / "r.jsonl")]
+  real, calls = generation.generate_batch, []
+
+  def fail_on_the_second_batch(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.38 GiB.")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(generation, "generate_batch", fail_on_the_second_batch)
+  assert regen_cli.main(common) == 1
+  errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "ran out of memory" in errors[0]
+  err = errors[0]
+  assert "data.regenerate_batch_tokens" in err and "data.regenerate_concurrent_batches" in err
+  kept = [json.loads(line) for line in open(tmp_path / "r.jsonl")]
+  assert 1 <= len(kept) <= 2                         # the first batch's conversations
+  monkeypatch.setattr(generation, "generate_batch", real)
+  js = tmp_path / "rest.json"
+  assert regen_cli.main(common + ["--json", str(js)]) == 0
+  assert json.load(open(js))["cached"] == len(kept)
