@@ -10,6 +10,8 @@ Plain transformers, no custom model code: the target's own forward runs over a `
     are folded into the query rows of one SDPA call (transformers' sdpa path copies K/V Hq/Hkv times
     when a mask is given, which is most of a decode step's memory traffic);
   - finished rows dropped from the batch every `check_every` steps once a quarter of them are done;
+  - the prompts' prefill in chunks of columns (`PREFILL_TOKENS` tokens each), so its temporaries
+    stay bounded whatever the batch's rows x prompt length;
   - on CUDA, the decode step captured once as a CUDA graph per batch shape (python and launch
     overhead dominate a 135M-parameter model's step), falling back to eager if capture fails;
   - batches decoded by a worker thread while the caller consumes the results; with
@@ -40,9 +42,12 @@ _ATTN_NAME = "gqa_fold"  # no "flash" in the name: transformers treats those as 
 # One CUDA-graph capture at a time in the process: concurrent batches capture in turn (the other
 # workers keep replaying their graphs meanwhile).
 _CAPTURE_LOCK = threading.Lock()
-# Tokens (rows x prompt columns) per prefill chunk: ~0.4 GiB per MLP activation at SmolLM2's
-# width, large enough that the chunks' matmuls stay efficient.
-PREFILL_TOKENS = 1 << 17
+# Tokens (rows x prompt columns) per prefill chunk. On an H200 with SmolLM2-135M's shapes, 1024
+# prompts of 900-1800 tokens: one forward 21.4k generated tokens/s at a 73 GiB peak; chunks of
+# 2^19 tokens 20.4k at 56 GiB, 2^18 19.2k at 53 GiB, 2^17 17.3k at 51 GiB (the per-chunk cost is
+# not only memory traffic: smaller chunks run slower). 2^19 lets two such batches decode at once
+# (100 GiB): 23.4k. benchmarks/h200-2026-12-03-prefill-chunks.
+PREFILL_TOKENS = 1 << 19
 
 
 @dataclass
@@ -147,7 +152,7 @@ class _Batch:
   def prefill(self, max_tokens: int | None = None) -> torch.Tensor:
     """-> logits [B, V] after the prompts. Padding queries see only themselves (no empty rows).
     The prompts' columns go through the model in chunks of at most `max_tokens` tokens (B rows x
-    columns), each appending its K/V to the cache: the temporaries of a chunk (MLP activations,
+    columns; PREFILL_TOKENS when None), each appending its K/V to the cache: the temporaries of a chunk (MLP activations,
     the chunk's mask) stay bounded whatever the batch, instead of growing with rows x prompt
     length (3.4 GiB for one MLP activation of a 1024-row batch of 1100-token prompts)."""
     B, P, M = self.ids.shape[0], self.P, self.M
