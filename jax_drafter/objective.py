@@ -329,7 +329,8 @@ def response_anchors(loss_mask_RxS: np.ndarray, doc_id_RxS: np.ndarray,
 def walk_tau(accept_RxN: np.ndarray, ra: ResponseAnchors, rows=None) -> dict:
   """Greedy decoding's tau from a(j) at every anchor of `ra` (rows: which rows of `ra` the
   accept lengths are for, default all): per response the mean of a + 1 over the visited
-  positions, then the mean over responses (as jax_drafter.evaluate reports)."""
+  positions, then the mean over responses (as jax_drafter.evaluate reports), and its standard
+  error over responses (tau_stderr)."""
   rows = range(len(ra.anchors)) if rows is None else rows
   per = {}
   for i, r in enumerate(rows):
@@ -345,4 +346,6 @@ def walk_tau(accept_RxN: np.ndarray, ra: ResponseAnchors, rows=None) -> dict:
     taus.append(float(np.mean(acc)) + 1.0)
     steps, tokens = steps + len(acc), tokens + sum(acc) + len(acc)
   return {"tau": float(np.mean(taus)) if taus else float("nan"), "responses": len(taus),
+          "tau_stderr": float(np.std(taus, ddof=1) / np.sqrt(len(taus))) if len(taus) > 1
+          else None,
           "verify_steps": steps, "tokens": tokens}

@@ -242,13 +242,15 @@ class _Run:
     walk = objective.walk_tau(accept[:n], ra, rows=range(n))
     rec = {"step": step, "val_loss": m["loss"], "val_accuracy": m["accuracy"],
            "val_tau_estimate": m["tau_estimate"], "val_tau": walk["tau"],
-           "val_responses": walk["responses"]}
+           "val_tau_stderr": walk["tau_stderr"], "val_responses": walk["responses"]}
     if "kl" in m:
       rec["val_kl"] = m["kl"]
     last = self.history[-1] if self.history else None
-    log.info("step %d: validation (%d rows) loss %.4f acc %.3f tau %.3f on %d answers (first %d "
-             "tokens; estimate %.2f)%s", step, R // B * B, rec["val_loss"], rec["val_accuracy"],
-             rec["val_tau"], walk["responses"], self.t.eval_max_new_tokens,
+    err = "" if walk["tau_stderr"] is None else f" ± {walk['tau_stderr']:.3f}"
+    log.info("step %d: validation (%d rows) loss %.4f acc %.3f tau %.3f%s on %d answers "
+             "(first %d tokens; estimate %.2f)%s", step, R // B * B, rec["val_loss"],
+             rec["val_accuracy"], rec["val_tau"], err, walk["responses"],
+             self.t.eval_max_new_tokens,
              rec["val_tau_estimate"],
              "" if last is None else f"; training: loss {last['loss']:.4f} acc "
              f"{last['accuracy']:.3f} tau~ {last['tau_estimate']:.2f}")

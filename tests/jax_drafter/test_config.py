@@ -1,5 +1,7 @@
 """train.compute_dtype "auto": bfloat16 where the drafter's devices multiply it natively."""
 
+from pathlib import Path
+
 import pytest
 
 from jax_drafter import config as config_lib
@@ -45,3 +47,18 @@ def test_explicit_dtypes_are_kept_and_auto_never_survives_loading(monkeypatch):
 def test_unknown_compute_dtype_is_a_config_error():
   with pytest.raises(ConfigError, match="train.compute_dtype='float16'.*'auto'"):
     build_config({"train": {"compute_dtype": "float16"}})
+
+
+_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def test_configs_are_found():
+  assert {p.name for p in _CONFIGS} >= {"smollm2.yaml", "smollm2-h200.yaml"}
+
+
+@pytest.mark.parametrize("path", _CONFIGS, ids=lambda p: p.name)
+def test_the_shipped_configs_load_and_pass_the_input_checks(path):
+  """What the README tells users to run: every shipped config is valid as committed."""
+  from jax_drafter import inputs
+  cfg = config_lib.load_config(str(path), [])
+  inputs.check_inputs(cfg)

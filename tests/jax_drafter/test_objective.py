@@ -239,6 +239,8 @@ def test_walk_tau_follows_the_verify_steps_of_greedy_decoding():
   a[0, :len(values)] = values
   w = objective.walk_tau(a, ra)
   assert w["responses"] == 2 and w["verify_steps"] == 3 + 2
-  assert w["tau"] == pytest.approx(((3 + 0 + 2) / 3 + 1 + (1 + 0) / 2 + 1) / 2)
+  taus = [(3 + 0 + 2) / 3 + 1, (1 + 0) / 2 + 1]
+  assert w["tau"] == pytest.approx(np.mean(taus))
+  assert w["tau_stderr"] == pytest.approx(np.std(taus, ddof=1) / np.sqrt(2))  # over responses
   # The per-block mean over all anchors would say more: easy stretches count once per position.
   assert np.mean(np.array(values) + 1) > w["tau"]
