@@ -152,9 +152,9 @@ class _Batch:
   def prefill(self, max_tokens: int | None = None) -> torch.Tensor:
     """-> logits [B, V] after the prompts. Padding queries see only themselves (no empty rows).
     The prompts' columns go through the model in chunks of at most `max_tokens` tokens (B rows x
-    columns; PREFILL_TOKENS when None), each appending its K/V to the cache: the temporaries of a chunk (MLP activations,
-    the chunk's mask) stay bounded whatever the batch, instead of growing with rows x prompt
-    length (3.4 GiB for one MLP activation of a 1024-row batch of 1100-token prompts)."""
+    columns; PREFILL_TOKENS when None), each appending its K/V to the cache: the temporaries of a
+    chunk (MLP activations, the chunk's mask) stay bounded whatever the batch, instead of growing
+    with rows x prompt length (3.4 GiB for one MLP activation of 1024 prompts of 1100 tokens)."""
     B, P, M = self.ids.shape[0], self.P, self.M
     pos = (self.valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
     j = torch.arange(M, device=self.dev)[None]

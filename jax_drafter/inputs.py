@@ -88,7 +88,28 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
   key = "+".join(k for _, k in made)
   if first_key != made[0][1]:     # the validation answers' settings name the data too
     key += "|validation:" + first_key
-  return Regeneration(fn, key, first_fn)
+  return Regeneration(_out_of_memory_named(fn, d), key, _out_of_memory_named(first_fn, d))
+
+
+def _out_of_memory_named(fn, d):
+  """fn, whose device running out of memory becomes a RegenerationError naming the two settings
+  that size the decoding batches (the conversations finished before it stay in the cache)."""
+  from bridge.regenerate import RegenerationError
+
+  def wrapped(convs):
+    try:
+      return fn(convs)
+    except Exception as e:  # torch.OutOfMemoryError, matched by name: torch loads lazily
+      if type(e).__name__ != "OutOfMemoryError":
+        raise
+      first = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise RegenerationError(
+          f"the target's device ran out of memory while regenerating ({first}). Each batch holds "
+          f"a K/V cache of up to data.regenerate_batch_tokens={d.regenerate_batch_tokens} "
+          f"positions, and data.regenerate_concurrent_batches={d.regenerate_concurrent_batches} "
+          "batches run at once: lower either. The finished conversations are saved; rerun to "
+          "resume.") from e
+  return wrapped
 
 
 def setup(cfg: RunConfig, *, progress: bool = False):

@@ -88,16 +88,6 @@ def main(argv=None) -> int:
     print("interrupted: the finished conversations are saved; rerun the same command to resume",
           file=sys.stderr)
     return 130
-  except Exception as e:  # torch.OutOfMemoryError without importing torch at module level
-    if type(e).__name__ != "OutOfMemoryError":
-      raise
-    d = cfg.data
-    print(f"error: the target's device ran out of memory while regenerating ({str(e).splitlines()[0]}). "
-          f"Each batch holds a K/V cache of up to data.regenerate_batch_tokens="
-          f"{d.regenerate_batch_tokens} positions, and data.regenerate_concurrent_batches="
-          f"{d.regenerate_concurrent_batches} batches run at once: lower either. The finished "
-          "conversations are saved; rerun to resume.", file=sys.stderr)
-    return 1
   path = cfg.data.regenerate_path(cfg.train.output_dir)
   new = stats["generated_tokens"]
   rate = new / stats["seconds"] if stats["seconds"] else 0.0

@@ -99,7 +99,7 @@ def test_out_of_memory_names_the_settings_and_keeps_the_finished_conversations(
     return real(*args, **kwargs)
 
   monkeypatch.setattr(generation, "generate_batch", fail_on_the_second_batch)
-  assert regen_cli.main(common) == 1
+  assert regen_cli.main(common) == 2
   errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "ran out of memory" in errors[0]
   err = errors[0]

@@ -89,3 +89,23 @@ def test_rerunning_a_finished_run_says_so_and_writes_nothing(tiny_target_dir, sh
   assert [r["step"] for r in records if "eval_tau" in r] == [2, 2]
   assert all(r["train_tau_estimate"] is None or r["train_tau_estimate"] > 0
              for r in records if "eval_tau" in r)
+
+
+def test_out_of_memory_while_regenerating_is_a_one_line_error(tiny_target_dir, sharegpt_sample,
+                                                              tmp_path, monkeypatch, capsys):
+  """train regenerates its data first: the device running out of memory there names the settings
+  that size the decoding batches instead of ending in a traceback."""
+  import torch
+
+  from bridge import generation
+
+  def oom(*a, **k):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.38 GiB.")
+
+  monkeypatch.setattr(generation, "generate_batch", oom)
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "r"), "data.regenerate=true",
+                        "data.regenerate_max_new_tokens=4", "data.regenerate_max_turns=1")
+  assert train_cli.main(_cli_args(cfg)) == 1
+  err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+  assert len(err) == 1 and "ran out of memory while regenerating" in err[0]
+  assert "data.regenerate_batch_tokens" in err[0] and "Tried to allocate 3.38 GiB" in err[0]
