@@ -31,6 +31,7 @@ import logging
 import queue
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator, Sequence
 
@@ -48,6 +49,19 @@ _CAPTURE_LOCK = threading.Lock()
 # not only memory traffic: smaller chunks run slower). 2^19 lets two such batches decode at once
 # (100 GiB): 23.4k. benchmarks/h200-2026-12-03-prefill-chunks.
 PREFILL_TOKENS = 1 << 19
+# Calls into a torch.compile'd target (`compiled=True`) take this lock: Dynamo may compile on any
+# call with a new shape, and concurrent workers must not compile at once. A call only launches
+# kernels, so the lock is held for microseconds once compiled; CUDA-graph replays never take it.
+_COMPILE_LOCK = threading.Lock()
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _compiled_model(model):
+  """torch.compile(model) with dynamic shapes (rows, prompt and cache widths vary per batch),
+  made once per model: its compiled graphs serve every later batch and call."""
+  if model not in _COMPILED:
+    _COMPILED[model] = torch.compile(model, dynamic=True)
+  return _COMPILED[model]
 
 
 @dataclass
@@ -123,10 +137,11 @@ class _Batch:
   """Decode state of one batch: the static cache, the key-validity mask, the rows still alive."""
 
   def __init__(self, model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int,
-               cache_kw: str, streams: tuple | None = None):
+               cache_kw: str, streams: tuple | None = None, compiled: bool = False):
     from transformers import StaticCache
     dev = next(model.parameters()).device
     self.model, self.cache_kw, self.dev = model, cache_kw, dev
+    self.fwd, self.compiled = (_compiled_model(model), True) if compiled else (model, False)
     lens = [len(p) for p in prompts]
     B, P = len(prompts), max(lens)
     M = -(-(P + max_new_tokens) // 64) * 64     # mask width a multiple of 64 (aligned SDPA bias)
@@ -145,7 +160,8 @@ class _Batch:
     self.streams = streams
 
   def _forward(self, ids, pos, mask):
-    out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+    with _COMPILE_LOCK if self.compiled else contextlib.nullcontext():
+      out = self.fwd(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                      logits_to_keep=1, **{self.cache_kw: self.cache})
     return out.logits[:, -1]
 
@@ -238,17 +254,18 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
                    stop_ids: set[int], pad_id: int, temperature: float = 0.0,
                    generator: torch.Generator | None = None, cuda_graph: bool | None = None,
                    check_every: int = 16, stats: GenerationStats | None = None,
-                   streams: tuple | None = None) -> list[list[int]]:
+                   streams: tuple | None = None, compiled: bool = False) -> list[list[int]]:
   """New tokens of each prompt, cut after the first stop token (kept) or at max_new_tokens.
   streams: (warm-up, capture) CUDA streams for the graph capture (a worker's own; see
-  generate_many), else fresh ones."""
+  generate_many), else fresh ones. compiled: the target's forward through torch.compile (fused
+  norms, RoPE and casts; see generate_many)."""
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   if any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
   stats = stats if stats is not None else GenerationStats()
   batch = _Batch(model, prompts, max_new_tokens=max_new_tokens, pad_id=pad_id,
-                 cache_kw=_cache_kw(model), streams=streams)
+                 cache_kw=_cache_kw(model), streams=streams, compiled=compiled)
   dev = batch.dev
   use_graph = (dev.type == "cuda") if cuda_graph is None else (cuda_graph and dev.type == "cuda")
   stops = torch.as_tensor(sorted(stop_ids), device=dev)
@@ -295,8 +312,8 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
                   max_tokens: int = 1 << 19, temperature: float = 0.0,
                   generator: torch.Generator | None = None, cuda_graph: bool | None = None,
                   stats: GenerationStats | None = None,
-                  on_batch: Callable[[int, int], None] | None = None, concurrent: int = 1
-                  ) -> Iterator[tuple[int, list[int]]]:
+                  on_batch: Callable[[int, int], None] | None = None, concurrent: int = 1,
+                  compiled: bool = False) -> Iterator[tuple[int, list[int]]]:
   """Yields (prompt index, new tokens) batch by batch (longest prompts first). Targets with
   sliding-window or linear-attention layers go through transformers' `generate` instead.
 
@@ -306,7 +323,12 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   that many batches at once, each worker on its own CUDA streams, yielded as they finish; greedy
   results are those of concurrent=1, sampled ones draw from one generator per batch, seeded in
   batch order from `generator`, so they do not depend on the workers' timing (but differ from
-  concurrent=1's single stream of draws)."""
+  concurrent=1's single stream of draws).
+
+  compiled: the target's forward goes through torch.compile (dynamic shapes, compiled once per
+  model and process, at its first batch): eager transformers runs hundreds of small elementwise
+  kernels per step (f32 norms, RoPE, casts) that inductor fuses. The first batch pays the
+  compilation; the tokens are those of eager decoding up to floating-point rounding."""
   if concurrent < 1:
     raise ValueError(f"{concurrent=} must be >= 1")
   stats = stats if stats is not None else GenerationStats()
@@ -318,6 +340,8 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
                          max_rows=max_rows, max_tokens=max_tokens)
   kw = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
             temperature=temperature, cuda_graph=cuda_graph)
+  if static:
+    kw["compiled"] = compiled
   with _folded_attention(model) if static else contextlib.nullcontext():
     for idx, outs, part in _decode_in_threads(model, prompts, batches, concurrent if static else 1,
                                               generator, static, kw):

@@ -106,11 +106,13 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
                              cache_path: str | os.PathLike | None, batch_rows: int = 256,
                              batch_tokens: int = 1 << 19, cuda_graph: bool | None = None,
                              progress: bool = True, stats: dict | None = None,
-                             fingerprint: str | None = None, concurrent: int = 1) -> list[dict]:
+                             fingerprint: str | None = None, concurrent: int = 1,
+                             compiled: bool = False) -> list[dict]:
   """-> a record (module docstring) per conversation that kept at least one generated turn, in
   input order. Conversations whose first prompt has max_prompt_tokens or more tokens are skipped
   and counted in `stats` (not fatal). fingerprint: target_fingerprint(model, tokenizer) when the
-  caller has it already. concurrent: batches decoded at once (`generation.generate_many`)."""
+  caller has it already. concurrent: batches decoded at once, compiled: the target's forward
+  through torch.compile (both `generation.generate_many`'s)."""
   _check_target(tokenizer)
   stop = eos_token_ids(model, tokenizer, required=True)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
@@ -176,7 +178,7 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
           model, [p[0] for p in prompts], max_new_tokens=settings.max_new_tokens, stop_ids=stop,
           pad_id=pad, max_rows=batch_rows, max_tokens=batch_tokens,
           temperature=settings.temperature, generator=gen, cuda_graph=cuda_graph, stats=gstats,
-          on_batch=on_batch, concurrent=concurrent)
+          on_batch=on_batch, concurrent=concurrent, compiled=compiled)
       for k, new in results:
         c, (prompt_ids, segment_text) = waiting[k], prompts[k]
         left = len(c.turns) - 1

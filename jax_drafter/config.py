@@ -280,6 +280,9 @@ class DataSection:
   # Batches decoded at once, each by its own thread on its own CUDA streams (one's prefill and
   # graph captures overlap the others' decode steps); each holds its own KV cache.
   regenerate_concurrent_batches: int = 1
+  # The target's forward through torch.compile while regenerating (fuses eager transformers' small
+  # elementwise kernels; the first batch pays the compilation). Static-cache targets only.
+  regenerate_compile: bool = False
   regenerate_file: str | None = None        # JSONL cache; None: <cache_dir>/regenerated.jsonl
   seed: int = 0
   # A directory written by `python -m jax_drafter.cache_features`: training reads the target's

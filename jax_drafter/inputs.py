@@ -63,7 +63,7 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
     made = [regen_lib.make_regenerator(
         target.model, target.tokenizer, s, fingerprint=fp, cache_path=path,
         batch_rows=d.regenerate_batch_rows, batch_tokens=d.regenerate_batch_tokens,
-        concurrent=d.regenerate_concurrent_batches,
+        concurrent=d.regenerate_concurrent_batches, compiled=d.regenerate_compile,
         progress=progress, stats=part, cuda_graph=cuda_graph)
         for s, part in zip(samples + [first], parts + [{}])]
   made, (first_fn, first_key) = made[:-1], made[-1]

@@ -1,7 +1,9 @@
 """Decode throughput of bridge.generation on a target of SmolLM2-135M's shapes (random weights, so
 no row stops early: every row runs to max_new_tokens, the worst case for batching): CUDA graph,
-several batch sizes, one or several batches decoded at once (eager with --eager); the peak of
-torch's allocated and reserved memory per run. Run on a GPU machine:  python scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 --concurrent 1,2
+several batch sizes, one or several batches decoded at once (eager with --eager, the forward
+through torch.compile with --compile); the peak of torch's allocated and reserved memory per run.
+Run on a GPU machine:
+  python scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 --concurrent 1,2 --compile
 """
 
 import argparse
@@ -31,6 +33,9 @@ def main():
   p.add_argument("--new", type=int, default=256)
   p.add_argument("--concurrent", default="1", help="batches decoded at once, e.g. 1,2")
   p.add_argument("--eager", action="store_true", help="also time eager decoding")
+  p.add_argument("--compile", action="store_true",
+                 help="also time the target's forward through torch.compile (compiled=True); its "
+                      "compilation happens in the warm-up, timed apart (warm_up_s)")
   p.add_argument("--json")
   a = p.parse_args()
   model = smollm2_shaped_model()
@@ -40,12 +45,18 @@ def main():
     prompts = [torch.randint(3, 49152, (int(torch.randint(a.prompt_len // 2, a.prompt_len + 1, (1,),
                                                           generator=g)),), generator=g).tolist()
                for _ in range(rows)]
-    runs = [(True, int(c)) for c in a.concurrent.split(",")] + ([(False, 1)] if a.eager else [])
-    for graph, conc in runs:
+    runs = [(True, int(c), False) for c in a.concurrent.split(",")]
+    runs += [(True, int(c), True) for c in a.concurrent.split(",")] if a.compile else []
+    runs += [(False, 1, False)] if a.eager else []
+    for graph, conc, comp in runs:
       kw = dict(max_new_tokens=a.new, stop_ids={2}, pad_id=2, max_rows=rows, cuda_graph=graph,
-                max_tokens=rows * (a.prompt_len + a.new))   # batches of exactly `rows` rows
-      list(G.generate_many(model, prompts[:8], **dict(kw, max_new_tokens=8)))  # warm up
+                max_tokens=rows * (a.prompt_len + a.new),   # batches of exactly `rows` rows
+                compiled=comp)
+      # Warm-up with 8 new tokens (compiles the forward when compiled), timed apart.
+      t0 = time.perf_counter()
+      list(G.generate_many(model, prompts[:8], **dict(kw, max_new_tokens=8)))
       torch.cuda.synchronize()
+      warm_s = time.perf_counter() - t0
       torch.cuda.empty_cache()
       torch.cuda.reset_peak_memory_stats()
       st = G.GenerationStats()
@@ -54,7 +65,8 @@ def main():
       list(G.generate_many(model, prompts * conc, stats=st, concurrent=conc, **kw))
       torch.cuda.synchronize()
       dt = time.perf_counter() - t0
-      r = dict(rows=rows, concurrent=conc, cuda_graph=graph, captured=st.cuda_graph,
+      r = dict(rows=rows, concurrent=conc, cuda_graph=graph, compiled=comp, warm_up_s=warm_s,
+               captured=st.cuda_graph,
                tokens=st.tokens, seconds=dt, tokens_per_s=st.tokens / dt,
                ms_per_step=1e3 * dt * conc / max(st.decode_steps, 1),
                peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,

@@ -100,10 +100,11 @@ part_cmds() {
           --random qwen3.6-27b --shapes 1x8192,4x2048,67x122 --docs 4 \
           --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
     generation)   # regeneration's decoder: its GPU tests (graph == eager, concurrent batches on
-                  # their own streams), then tokens/s at the recipe's shapes, 1 and 2 batches at once
-      run timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_generation_gpu.py
-      run timeout 200 python3 scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 \
-          --concurrent 1,2 --json "$OUT/bench-generation.json"
+                  # their own streams, compiled), then tokens/s at the recipe's shapes, 1 and 2
+                  # batches at once, eager transformers and torch.compile'd
+      run timeout 240 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_generation_gpu.py
+      run timeout 300 python3 scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 \
+          --concurrent 1,2 --compile --json "$OUT/bench-generation.json"
       # long prompts (the later turns of the every-turn data): the prefill's chunks, the peak memory
       run timeout 200 python3 scripts/bench_generation.py --rows 1024 --prompt-len 1800 --new 192 \
           --concurrent 1,2 --json "$OUT/bench-generation-long.json" ;;

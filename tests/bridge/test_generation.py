@@ -180,3 +180,25 @@ def test_greedy_equals_hf_generate_on_smollm2(smollm2_target):
   got = dict(G.generate_many(model, prompts, max_new_tokens=20, stop_ids=stop, pad_id=2))
   for i, p in enumerate(prompts):
     assert got[i] == _hf_greedy(model, p, 20, stop), i
+
+
+def test_compiled_target_gives_the_eager_tokens(tiny):
+  """compiled=True: the target's forward through torch.compile (dynamic shapes, compiled once per
+  model) decodes the same tokens as eager in f32, over batches of different rows and prompt
+  lengths, finished rows dropped mid-decode (new shapes), greedy and sampled."""
+  prompts = _prompts([3, 17, 9, 30, 1, 12, 25, 5])
+  # Stop tokens that end some rows early, so check_every=2 drops them mid-decode.
+  first = G.generate_batch(tiny, prompts, max_new_tokens=14, stop_ids={99999}, pad_id=0)
+  stop = {first[0][2], first[3][5]}
+  kw = dict(max_new_tokens=14, stop_ids=stop, pad_id=0)
+  eager = G.generate_batch(tiny, prompts, check_every=2, **kw)
+  assert len({len(r) for r in eager}) > 1
+  assert G.generate_batch(tiny, prompts, check_every=2, compiled=True, **kw) == eager
+  kw["max_rows"] = 3
+  eager = dict(G.generate_many(tiny, prompts, **kw))
+  assert dict(G.generate_many(tiny, prompts, compiled=True, **kw)) == eager
+  assert G._compiled_model(tiny) is G._compiled_model(tiny)           # one compiled model
+  g1, g2 = (torch.Generator().manual_seed(5) for _ in range(2))
+  sampled = dict(G.generate_many(tiny, prompts, temperature=0.9, generator=g1, **kw))
+  assert dict(G.generate_many(tiny, prompts, temperature=0.9, generator=g2, compiled=True,
+                              **kw)) == sampled

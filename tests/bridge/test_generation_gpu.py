@@ -59,3 +59,20 @@ def test_concurrent_batches_on_their_own_streams_equal_eager_bf16():
   eager = dict(G.generate_many(model, prompts, cuda_graph=False, **kw))
   assert stats.cuda_graph and stats.batches == 6
   assert both == eager
+
+
+def test_compiled_target_with_cuda_graphs_equals_compiled_eager_bf16():
+  """compiled=True on CUDA: the decode step is captured around inductor's kernels; replaying the
+  graph gives the tokens of running the same compiled forward eagerly (same kernels, bf16), and
+  in f32 the tokens of the eager target."""
+  model, prompts = _model(torch.bfloat16), _prompts(40, seed=3)
+  stats = G.GenerationStats()
+  kw = dict(max_new_tokens=48, stop_ids={7, 11}, pad_id=0, max_rows=16, compiled=True)
+  graph = dict(G.generate_many(model, prompts, cuda_graph=True, stats=stats, **kw))
+  eager = dict(G.generate_many(model, prompts, cuda_graph=False, **kw))
+  assert stats.cuda_graph, "the compiled decode step was not captured"
+  assert graph == eager
+  f32 = _model(torch.float32)
+  kw.pop("compiled")
+  assert dict(G.generate_many(f32, prompts, compiled=True, **kw)) == dict(
+      G.generate_many(f32, prompts, **kw))

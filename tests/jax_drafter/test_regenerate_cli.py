@@ -110,3 +110,26 @@ def test_out_of_memory_names_the_settings_and_keeps_the_finished_conversations(
   js = tmp_path / "rest.json"
   assert regen_cli.main(common + ["--json", str(js)]) == 0
   assert json.load(open(js))["cached"] == len(kept)
+
+
+def test_the_compile_setting_reaches_the_decoder(tiny_target_dir, sharegpt_sample, tmp_path,
+                                                 monkeypatch):
+  """data.regenerate_compile=true asks generation.generate_many for the torch.compile'd forward
+  (its tokens are tested in tests/bridge/test_generation.py; here it runs eagerly, to stay fast)."""
+  from bridge import generation
+  real, seen = generation.generate_many, []
+
+  def spy(*args, compiled=False, **kwargs):
+    seen.append(compiled)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(generation, "generate_many", spy)
+  common = ["--config", "/dev/null", f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}",
+            "data.max_conversations=6", "data.held_out=2", "data.seq_len=256",
+            "data.regenerate_max_new_tokens=4", "data.regenerate_max_turns=1"]
+  assert regen_cli.main(common + ["--quiet", "--out", str(tmp_path / "a.jsonl")]) == 0
+  assert seen and not any(seen)
+  seen.clear()
+  assert regen_cli.main(common + ["data.regenerate_compile=true", "--quiet", "--out",
+                                  str(tmp_path / "b.jsonl")]) == 0
+  assert seen and all(seen)
