@@ -102,6 +102,10 @@ class _Conv:
   rendered: str = ""
 
 
+# Without a progress bar, a progress line in the log at most this often (seconds).
+QUIET_PROGRESS_EVERY_S = 30.0
+
+
 def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], settings: Settings, *,
                              cache_path: str | os.PathLike | None, batch_rows: int = 256,
                              batch_tokens: int = 1 << 19, cuda_graph: bool | None = None,
@@ -136,7 +140,11 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
   t0 = time.perf_counter()
   gen = torch.Generator(device=next(model.parameters()).device).manual_seed(settings.seed)
 
+  finished = [0]
+  last_log = [t0]
+
   def finish(c: _Conv):
+    finished[0] += 1
     if c.spans:
       rec = {"key": keys[c.index], "id": conversations[c.index]["id"], "target": fingerprint,
              "messages": c.messages[:_last_turn(c) + 1], "input_ids": c.ids,
@@ -153,8 +161,16 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
       bar.set_postfix(tok_s=f"{gstats.tokens / max(elapsed, 1e-9):.0f}", refresh=False)
 
   def on_batch(rows, tokens):
+    now = time.perf_counter()
     if bar is not None:
-      bar.set_postfix(tok_s=f"{gstats.tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+      bar.set_postfix(tok_s=f"{gstats.tokens / max(now - t0, 1e-9):.0f}")
+    elif now - last_log[0] >= QUIET_PROGRESS_EVERY_S:   # no bar (--quiet, logs): a line instead
+      last_log[0] = now
+      done, rate = finished[0], finished[0] / max(now - t0, 1e-9)
+      eta = f", ETA ~{(len(todo) - done) / rate / 60:.0f} min" if done else ""
+      log.info("regenerate: %d of %d conversations finished, %d tokens, %.0f generated tokens/s, "
+               "%.0f s%s", done, len(todo), gstats.tokens, gstats.tokens / max(now - t0, 1e-9),
+               now - t0, eta)
 
   try:
     # Turn by turn over all conversations: every conversation's next prompt is generated in one

@@ -254,3 +254,21 @@ def test_regenerated_ids_reach_the_packed_rows(model, tok, tmp_path, sharegpt_sa
     assert hits, r["id"]
   assert ds.stats["train_conversations"] == len(recs)
 
+
+
+def test_without_a_progress_bar_the_log_shows_progress(model, tok, monkeypatch, caplog):
+  """progress=False (the CLIs' --quiet, logs to a file): a log line with the conversations
+  finished, the tokens and tokens/s instead of the bar, at most every QUIET_PROGRESS_EVERY_S."""
+  import logging
+  monkeypatch.setattr(rg, "QUIET_PROGRESS_EVERY_S", 0.0)
+  with caplog.at_level(logging.INFO, logger="bridge.regenerate"):
+    rg.regenerate_conversations(model, tok, CONVS, _settings(), cache_path=None, progress=False,
+                                batch_rows=1)
+  lines = [r.getMessage() for r in caplog.records if "conversations finished" in r.getMessage()]
+  assert lines and "generated tokens/s" in lines[-1] and f"of {len(CONVS)} conversations" in lines[-1]
+  caplog.clear()
+  monkeypatch.setattr(rg, "QUIET_PROGRESS_EVERY_S", 3600.0)
+  with caplog.at_level(logging.INFO, logger="bridge.regenerate"):
+    rg.regenerate_conversations(model, tok, CONVS, _settings(), cache_path=None, progress=False,
+                                batch_rows=1)
+  assert not [r for r in caplog.records if "conversations finished" in r.getMessage()]
