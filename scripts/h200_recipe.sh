@@ -56,7 +56,9 @@ watch() {
   while [ ! -f "$D/DONE" ] && [ "$(left)" -gt 25 ]; do
     sleep 20
     f=$(ls -t "$L"/regen.log "$L"/train.log "$L"/eval.log 2>/dev/null | head -n 1)
-    line=$(tr '\r' '\n' < "${f:-$L/pipeline.log}" 2>/dev/null | grep -v '^\s*$' | tail -n 1 | cut -c1-220)
+    # the last line that says something (transformers repeats a tokenizer warning per batch)
+    line=$(tr '\r' '\n' < "${f:-$L/pipeline.log}" 2>/dev/null | grep -v -e '^\s*$' \
+        -e 'Ignoring clean_up_tokenization_spaces' | tail -n 1 | cut -c1-220)
     echo "[$(date +%T)] ${f##*/}: $line"
   done
   collect
