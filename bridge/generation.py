@@ -165,16 +165,15 @@ class _Batch:
                      logits_to_keep=1, **{self.cache_kw: self.cache})
     return out.logits[:, -1]
 
-  def prefill(self, max_tokens: int | None = None) -> torch.Tensor:
+  def prefill(self) -> torch.Tensor:
     """-> logits [B, V] after the prompts. Padding queries see only themselves (no empty rows).
-    The prompts' columns go through the model in chunks of at most `max_tokens` tokens (B rows x
-    columns; PREFILL_TOKENS when None), each appending its K/V to the cache: the temporaries of a
-    chunk (MLP activations, the chunk's mask) stay bounded whatever the batch, instead of growing
+    The prompts' columns go through the model in chunks of at most PREFILL_TOKENS tokens (B rows
+    x columns), each appending its K/V to the cache: the temporaries of a chunk (MLP activations, the chunk's mask) stay bounded whatever the batch, instead of growing
     with rows x prompt length (3.4 GiB for one MLP activation of 1024 prompts of 1100 tokens)."""
     B, P, M = self.ids.shape[0], self.P, self.M
     pos = (self.valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
     j = torch.arange(M, device=self.dev)[None]
-    step = max(1, (max_tokens or PREFILL_TOKENS) // B)
+    step = max(1, PREFILL_TOKENS // B)
     for c0 in range(0, P, step):
       c1 = min(P, c0 + step)
       i = torch.arange(c0, c1, device=self.dev)[:, None]
@@ -335,7 +334,8 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   static = supports_static_decoding(model)
   if not static:
     log.warning("%s has sliding-window or non-attention layers: decoding with transformers' "
-                "generate (slower than the static-cache path)", type(model).__name__)
+                "generate (slower than the static-cache path%s)", type(model).__name__,
+                "; compiled=True does not apply to it" if compiled else "")
   batches = plan_batches([len(p) for p in prompts], max_new_tokens=max_new_tokens,
                          max_rows=max_rows, max_tokens=max_tokens)
   kw = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,

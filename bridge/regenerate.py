@@ -140,11 +140,11 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
   t0 = time.perf_counter()
   gen = torch.Generator(device=next(model.parameters()).device).manual_seed(settings.seed)
 
-  finished = [0]
-  last_log = [t0]
+  finished, last_log = 0, t0
 
   def finish(c: _Conv):
-    finished[0] += 1
+    nonlocal finished
+    finished += 1
     if c.spans:
       rec = {"key": keys[c.index], "id": conversations[c.index]["id"], "target": fingerprint,
              "messages": c.messages[:_last_turn(c) + 1], "input_ids": c.ids,
@@ -161,16 +161,18 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
       bar.set_postfix(tok_s=f"{gstats.tokens / max(elapsed, 1e-9):.0f}", refresh=False)
 
   def on_batch(rows, tokens):
+    nonlocal last_log
     now = time.perf_counter()
     if bar is not None:
       bar.set_postfix(tok_s=f"{gstats.tokens / max(now - t0, 1e-9):.0f}")
-    elif now - last_log[0] >= QUIET_PROGRESS_EVERY_S:   # no bar (--quiet, logs): a line instead
-      last_log[0] = now
-      done, rate = finished[0], finished[0] / max(now - t0, 1e-9)
-      eta = f", ETA ~{(len(todo) - done) / rate / 60:.0f} min" if done else ""
+    elif now - last_log >= QUIET_PROGRESS_EVERY_S:   # no bar (--quiet, logs): a line instead
+      last_log = now
+      elapsed = max(now - t0, 1e-9)
+      eta = (f", ETA ~{(len(todo) - finished) * elapsed / finished / 60:.0f} min"
+             if finished else "")
       log.info("regenerate: %d of %d conversations finished, %d tokens, %.0f generated tokens/s, "
-               "%.0f s%s", done, len(todo), gstats.tokens, gstats.tokens / max(now - t0, 1e-9),
-               now - t0, eta)
+               "%.0f s%s", finished, len(todo), gstats.tokens, gstats.tokens / elapsed, elapsed,
+               eta)
 
   try:
     # Turn by turn over all conversations: every conversation's next prompt is generated in one

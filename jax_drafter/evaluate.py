@@ -35,6 +35,7 @@ from bridge import spec_decode
 from bridge.handoff import Handoff, import_frozen
 from bridge.target import Target, TargetError, check_mask_token_id, load_target
 from jax_drafter import data as data_lib
+from jax_drafter import objective
 from jax_drafter.config import ConfigError, DrafterConfig
 from jax_drafter.inference import DrafterSession
 
@@ -323,7 +324,7 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
       "tau": float(np.mean(taus)) if taus else None,
       # Its standard error over the prompts (responses differ far more than verify steps of one
       # response do): two drafters evaluated on the same prompts compare prompt by prompt.
-      "tau_stderr": float(np.std(taus, ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
+      "tau_stderr": objective.stderr(taus),
       "max_tau": block_size, "block_size": block_size, "max_new_tokens": max_new_tokens,
       "temperature": temperature, "num_prompts": len(rows), "target": target_name,
       "verify_steps": int(hist.sum()),

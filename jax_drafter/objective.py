@@ -326,6 +326,11 @@ def response_anchors(loss_mask_RxS: np.ndarray, doc_id_RxS: np.ndarray,
   return out
 
 
+def stderr(values) -> float | None:
+  """Standard error of the mean of `values` (sample standard deviation / sqrt(n)); None below 2."""
+  return float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else None
+
+
 def walk_tau(accept_RxN: np.ndarray, ra: ResponseAnchors, rows=None) -> dict:
   """Greedy decoding's tau from a(j) at every anchor of `ra` (rows: which rows of `ra` the
   accept lengths are for, default all): per response the mean of a + 1 over the visited
@@ -346,6 +351,5 @@ def walk_tau(accept_RxN: np.ndarray, ra: ResponseAnchors, rows=None) -> dict:
     taus.append(float(np.mean(acc)) + 1.0)
     steps, tokens = steps + len(acc), tokens + sum(acc) + len(acc)
   return {"tau": float(np.mean(taus)) if taus else float("nan"), "responses": len(taus),
-          "tau_stderr": float(np.std(taus, ddof=1) / np.sqrt(len(taus))) if len(taus) > 1
-          else None,
+          "tau_stderr": stderr(taus),
           "verify_steps": steps, "tokens": tokens}

@@ -193,7 +193,10 @@ def test_compiled_target_gives_the_eager_tokens(tiny):
   kw = dict(max_new_tokens=14, stop_ids=stop, pad_id=0)
   eager = G.generate_batch(tiny, prompts, check_every=2, **kw)
   assert len({len(r) for r in eager}) > 1
+  from torch._dynamo.utils import counters
+  before = sum(counters["frames"].values())
   assert G.generate_batch(tiny, prompts, check_every=2, compiled=True, **kw) == eager
+  assert sum(counters["frames"].values()) > before        # the forward went through Dynamo
   kw["max_rows"] = 3
   eager = dict(G.generate_many(tiny, prompts, **kw))
   assert dict(G.generate_many(tiny, prompts, compiled=True, **kw)) == eager
