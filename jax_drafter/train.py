@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--set", dest="more", action="append", default=[], metavar="section.key=value",
                  help="same as a positional override (repeatable)")
   p.add_argument("--max-minutes", type=float, default=None, metavar="M",
-                 help="stop after M minutes of training with a checkpoint (and the evaluation, "
-                      "if configured); rerun the same command to continue")
+                 help="stop with a checkpoint (and the evaluation, if configured) once M minutes "
+                      "have passed since the command started (start-up included: loading the "
+                      "target, reading or regenerating data, compiling); rerun the same command "
+                      "to continue")
   p.add_argument("--re-evaluate", action="store_true",
                  help="for a finished run: evaluate (train.eval_prompts) and export it again "
                       "instead of reporting that it is complete")
@@ -66,6 +68,7 @@ def init_processes(args) -> None:
 
 def main(argv=None, *, first_step=None) -> int:
   """first_step: passed to trainer.train (a tool's measurement of the real step)."""
+  started = time.time()   # --max-minutes counts from here
   args = _parser().parse_args(argv)
   from jax_drafter.cli import setup_logging
   setup_logging()
@@ -96,7 +99,8 @@ def main(argv=None, *, first_step=None) -> int:
   progress = None if args.quiet or jax.process_index() else _tqdm_progress()
   try:
     summary = trainer.train(cfg, progress=progress, first_step=first_step,
-                            time_budget_s=None if args.max_minutes is None else 60 * args.max_minutes)
+                            time_budget_s=None if args.max_minutes is None else 60 * args.max_minutes,
+                            budget_from=started)
   except (trainer.TrainingError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

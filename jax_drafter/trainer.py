@@ -401,11 +401,13 @@ class _Run:
 
 
 def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
-          stop_after: int | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
+          stop_after: int | None = None, time_budget_s: float | None = None,
+          budget_from: float | None = None) -> dict[str, Any]:
   """Run (or resume) training as configured. Returns a summary dict.
 
   time_budget_s: stop (with a checkpoint, and an evaluation if configured) once this many seconds
-  of training have passed in this invocation; rerunning resumes (a run longer than one session).
+  have passed since budget_from (a time.time(); default: the first step of this invocation, so
+  start-up is not counted); rerunning resumes (a run longer than one session).
   stop_after: stop (with a checkpoint) after this many steps of this invocation (tests use it to
   simulate an interruption).
   first_step: for tools that measure the real step (jax_drafter.tools.memory.StepReport): its
@@ -420,10 +422,14 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
   feeder = run.feeder(max(0, stop - first))
   run.clock = pipeline.StepClock()
   t_loop = time.time()
+  t_budget = t_loop if budget_from is None else budget_from
+  if time_budget_s is not None and t_loop - t_budget >= time_budget_s:
+    log.warning("start-up took %.0f s of the %.0f s time budget: no step fits; give more time",
+                t_loop - t_budget, time_budget_s)
   try:
     with _Interrupt() as intr:
       for i in range(first, stop):
-        if time_budget_s is not None and time.time() - t_loop >= time_budget_s:
+        if time_budget_s is not None and time.time() - t_budget >= time_budget_s:
           out_of_time = True
           log.info("time budget of %.0f s reached at step %d of %d: saving; rerun the same "
                    "command to continue", time_budget_s, i, total)

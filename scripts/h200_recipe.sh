@@ -108,7 +108,8 @@ case "${1:-}" in
     [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$D/DONE"; exit 1; }
     # Compressed copy of the answers for later sessions, on 4 CPU cores beside the training.
     (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" | split -b 15M - "$L/regen.xz.part_") &
-    MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 75) / 60))")
+    # --max-minutes counts the training's start-up too; 10 s for the last checkpoint and export
+    MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 10) / 60))")
     stamp "train for $MIN minutes"
     python3 -m jax_drafter.train "${COMMON[@]}" train.eval_prompts=0 ${EXTRA:-} \
         --max-minutes "$MIN" --quiet > "$L/train.log" 2>&1

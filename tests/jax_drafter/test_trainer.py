@@ -4,6 +4,7 @@ regenerated data, data parallel, and the evaluation it runs."""
 import json
 import os
 import signal
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -200,7 +201,11 @@ def test_time_budget_stops_with_a_checkpoint_and_the_same_command_continues(
   assert first["final_step"] == 2
   stopped = trainer.train(cfg, time_budget_s=0.0)     # out of time before its first step
   assert stopped["out_of_time"] and stopped["final_step"] == 2
-  done = trainer.train(cfg)                            # the same run continues to the end
+  # the budget counts from budget_from (train's --max-minutes: the command's start), so a
+  # start-up that used it up leaves no step
+  late = trainer.train(cfg, time_budget_s=3600.0, budget_from=time.time() - 3601.0)
+  assert late["out_of_time"] and late["final_step"] == 2
+  done = trainer.train(cfg, time_budget_s=3600.0, budget_from=time.time())  # time left: to the end
   assert done["final_step"] == 6 and not done["out_of_time"]
   assert sorted(run_losses(out)) == list(range(1, 7))
 
