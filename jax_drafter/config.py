@@ -333,6 +333,10 @@ class TrainSection:
   num_anchors: int = 32             # N per row
   loss_decay_gamma: float | None = 7.0
   ce_chunk_size: int = 1024         # block tokens per LM-head chunk
+  dropout: float = 0.0              # > 0: training drops the projected target context and each
+                                    # layer's attention and MLP outputs with this probability
+                                    # (inverted dropout, steps of 1/256); a regulariser for many
+                                    # epochs over little data. Inference never drops.
   kd_weight: float = 0.0            # > 0: distillation, per token (1 - w) CE + w KL(target ||
                                     # drafter) with the target's own next-token distribution
   remat: str = "none"               # none | layer | full | offload
@@ -380,6 +384,8 @@ class TrainSection:
         raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
     if self.val_every < 0 or self.eval_every < 0:
       raise ConfigError("train.val_every and train.eval_every must be >= 0 (0 = off)")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f"train.dropout={self.dropout} must be in [0, 1) (0 = off; 0.1 is usual)")
     if not 0.0 <= self.kd_weight <= 1.0:
       raise ConfigError(f"train.kd_weight={self.kd_weight} must be in [0, 1] (0 = no "
                         "distillation, 1 = the target's distribution only)")

@@ -44,6 +44,17 @@ class RMSNorm(nnx.Module):
     return (y * self.weight[...]).astype(self.compute_dtype)
 
 
+def dropout(x, rate: float, key):
+  """Inverted dropout for training: each element zeroed with probability `rate` (in steps of
+  1/256: the draw is one random byte per element, a quarter of the random bits of a float draw),
+  the kept ones scaled by 1 / (1 - the rate actually used). rate 0 or key None: x unchanged."""
+  if not rate or key is None:
+    return x
+  cut = min(255, max(1, round(rate * 256)))
+  keep = jax.random.bits(key, x.shape, jnp.uint8) >= cut
+  return jnp.where(keep, x * (256.0 / (256 - cut)), 0).astype(x.dtype)
+
+
 def rope(x_BxTxHxDh, pos_BxT, theta: float):
   """Rotary embedding, rotate-half (non-interleaved) convention of Llama/Qwen3, angles in f32."""
   dh = x_BxTxHxDh.shape[-1]
@@ -121,17 +132,22 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, compute_dtype)
     self.mlp = MLP(cfg, rngs=rngs, compute_dtype=compute_dtype)
 
-  def __call__(self, x, ctx, ctx_pos, blk_pos, anchors, doc_start, block_valid, attn_impl):
+  def __call__(self, x, ctx, ctx_pos, blk_pos, anchors, doc_start, block_valid, attn_impl,
+               drop=(0.0, None)):
     k_ctx, v_ctx = self.self_attn.context_kv(ctx, ctx_pos)
     return self.with_context_kv(x, k_ctx, v_ctx, blk_pos, anchors, doc_start, block_valid,
-                                attn_impl)
+                                attn_impl, drop=drop)
 
   def with_context_kv(self, x, k_ctx, v_ctx, blk_pos, anchors, doc_start, block_valid, attn_impl,
-                      block_size: int | None = None):
-    """The layer given its context K/V (Attention.context_kv): training and inference share it."""
-    h = x + self.self_attn.attend(self.input_layernorm(x), k_ctx, v_ctx, blk_pos, anchors,
-                                  doc_start, block_valid, attn_impl, block_size)
-    return h + self.mlp(self.post_attention_layernorm(h))
+                      block_size: int | None = None, drop=(0.0, None)):
+    """The layer given its context K/V (Attention.context_kv): training and inference share it.
+    drop: (rate, key) of residual dropout on the attention and MLP outputs (training only)."""
+    rate, key = drop
+    k_attn, k_mlp = jax.random.split(key) if rate and key is not None else (None, None)
+    a = self.self_attn.attend(self.input_layernorm(x), k_ctx, v_ctx, blk_pos, anchors,
+                              doc_start, block_valid, attn_impl, block_size)
+    h = x + dropout(a, rate, k_attn)
+    return h + dropout(self.mlp(self.post_attention_layernorm(h)), rate, k_mlp)
 
 
 def _remat_policy(remat: str):
@@ -154,23 +170,29 @@ class Drafter(nnx.Module):
 
   def __call__(self, noise_emb_BxQxD, target_feat_BxSxF, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN,
                doc_start_BxN, block_valid_BxN, *, remat: str = "none",
-               attn_impl: dict | None = None, return_layers: bool = False):
-    """Returns the final-normed block hidden states [B, Q, D] (and per-layer outputs if asked)."""
+               attn_impl: dict | None = None, return_layers: bool = False,
+               dropout_rate: float = 0.0, dropout_key=None):
+    """Returns the final-normed block hidden states [B, Q, D] (and per-layer outputs if asked).
+    dropout_rate with dropout_key (training only): dropout on the projected target context and
+    on every layer's attention and MLP outputs."""
     attn_impl = attn_impl or {}
-    ctx = self.hidden_norm(self.fc(target_feat_BxSxF))
+    rate = dropout_rate if dropout_key is not None else 0.0
+    keys = (jax.random.split(dropout_key, len(self.layers) + 1) if rate
+            else [None] * (len(self.layers) + 1))
+    ctx = dropout(self.hidden_norm(self.fc(target_feat_BxSxF)), rate, keys[-1])
     x = noise_emb_BxQxD.astype(self.compute_dtype)
     args = (ctx, ctx_pos_BxS, blk_pos_BxQ, anchors_BxN, doc_start_BxN, block_valid_BxN)
 
-    def run_layer(layer, x, *args):
-      return layer(*((x,) + args), attn_impl)
+    def run_layer(layer, x, key, *args):
+      return layer(*((x,) + args), attn_impl, (rate, key))
 
     def run_all(layers, x, *args):
       outs = []
-      for layer in layers:
+      for i, layer in enumerate(layers):
         step = run_layer
         if remat in ("layer", "offload"):
           step = nnx.remat(run_layer, policy=_remat_policy(remat))
-        x = step(layer, x, *args)
+        x = step(layer, x, keys[i], *args)
         outs.append(x)
       return x, outs
 

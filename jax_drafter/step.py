@@ -20,6 +20,7 @@ from jax_drafter.config import DrafterConfig, TrainSection
 from jax_drafter.model import Drafter
 
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DROPOUT_STREAM = 0x0D0D   # fold_in constant: the dropout key of a micro-step, apart from its anchors'
 
 
 class TrainState(NamedTuple):
@@ -80,11 +81,13 @@ def frozen_in_compute_dtype(frozen: dict, compute_dtype: str) -> dict:
 
 def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: DrafterConfig,
                t: TrainSection, attn_impl: dict | None = None, return_aux: bool = False,
-               anchors: tuple | None = None):
+               anchors: tuple | None = None, training: bool = False):
   """Forward of one micro-batch -> additive Sums (and the blocks/hidden states if asked).
 
   anchors: optional (anchors [B, N], block_valid [B, N]) used instead of sampling with `key`
   (parity feeds the same anchors to the PyTorch reference).
+  training: apply train.dropout (its key is derived from `key`, so the anchors drawn are the same
+  with and without dropout); validation and acceptance never drop.
   """
   model = nnx.merge(graphdef, params)
   if anchors is None:
@@ -100,9 +103,11 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
   embed = jax.lax.stop_gradient(frozen["embed"])
   noise_emb = jnp.take(embed, blocks.noise_ids, axis=0).astype(cd)
   features, teacher = split_features(micro["features"], cfg, t)
+  drop_key = (jax.random.fold_in(key, DROPOUT_STREAM)
+              if training and t.dropout and key is not None else None)
   h = model(noise_emb, features.astype(cd), micro["position_ids"], blocks.positions,
             blocks.anchors, blocks.doc_start, blocks.block_valid, remat=t.remat,
-            attn_impl=attn_impl)
+            attn_impl=attn_impl, dropout_rate=t.dropout, dropout_key=drop_key)
   ce, pred, kl = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
                                chunk_size=t.ce_chunk_size, compute_dtype=cd,
                                teacher=teacher, anchors=blocks.anchors, kd_weight=t.kd_weight)
@@ -159,7 +164,8 @@ def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_si
 def make_train_step(graphdef, cfg: DrafterConfig, t: TrainSection, optimizer,
                     attn_impl: dict | None = None):
   def loss_fn(params, micro, frozen, key):
-    sums = micro_sums(graphdef, params, micro, frozen, key, cfg=cfg, t=t, attn_impl=attn_impl)
+    sums = micro_sums(graphdef, params, micro, frozen, key, cfg=cfg, t=t, attn_impl=attn_impl,
+                      training=True)
     return sums.wce, sums
 
   grad_fn = jax.grad(loss_fn, has_aux=True)

@@ -143,3 +143,57 @@ def test_frozen_weights_narrowed_once_give_the_same_bf16_step_bit_for_bit():
   assert float(m1["loss"]) == float(m2["loss"])
   for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_dropout_helper_drops_at_the_rate_and_keeps_the_mean():
+  from jax_drafter.model import dropout
+  x = jnp.ones((256, 1024), jnp.float32)
+  y = np.asarray(dropout(x, 0.1, jax.random.key(0)))
+  dropped = (y == 0).mean()
+  assert abs(dropped - 26 / 256) < 0.005            # 0.1 rounds to 26/256
+  np.testing.assert_allclose(y[y != 0], 256 / 230, rtol=1e-6)
+  assert abs(y.mean() - 1.0) < 0.01
+  assert dropout(x, 0.0, jax.random.key(0)) is x and dropout(x, 0.1, None) is x
+  assert y.dtype == np.float32 and dropout(x.astype(jnp.bfloat16), 0.5, jax.random.key(1)).dtype == jnp.bfloat16
+
+
+def test_dropout_changes_training_only_and_is_reproducible():
+  t0 = TrainSection(num_anchors=4, ce_chunk_size=5)
+  td = TrainSection(num_anchors=4, ce_chunk_size=5, dropout=0.25)
+  g, state = st.init_state(CFG, t0, st.make_optimizer(t0))
+  micro = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
+  key = jax.random.key(7)
+  run = lambda t, training: st.micro_sums(g, state.params, micro, _frozen(), key, cfg=CFG, t=t,
+                                          training=training)
+  plain = run(t0, True)
+  # Validation (training=False) never drops: the same sums as without dropout.
+  np.testing.assert_array_equal(np.asarray(run(td, False).wce), np.asarray(plain.wce))
+  a, b = run(td, True), run(td, True)
+  np.testing.assert_array_equal(np.asarray(a.wce), np.asarray(b.wce))      # same key, same masks
+  assert float(a.wce) != float(plain.wce)
+  np.testing.assert_array_equal(np.asarray(a.w), np.asarray(plain.w))      # same anchors and labels
+  # The jitted step trains with it and still learns a fixed batch.
+  tl = TrainSection(steps=40, num_anchors=4, ce_chunk_size=7, learning_rate=1e-2, warmup_steps=2,
+                    dropout=0.25)
+  opt = st.make_optimizer(tl)
+  _, s = st.init_state(CFG, tl, opt)
+  f = st.jit_train_step(st.make_train_step(g, CFG, tl, opt))
+  batch, frozen, losses = _batch(), _frozen(), []
+  for _ in range(40):
+    s, m = f(s, batch, frozen)
+    losses.append(float(m["loss"]))
+  assert np.isfinite(losses).all() and int(s.step) == 40
+  assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
+def test_dropout_works_under_every_remat_policy():
+  for remat in ("layer", "full"):
+    t = TrainSection(num_anchors=4, ce_chunk_size=5, dropout=0.2, remat=remat)
+    tn = TrainSection(num_anchors=4, ce_chunk_size=5, dropout=0.2)
+    g, state = st.init_state(CFG, t, st.make_optimizer(t))
+    micro = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
+    key = jax.random.key(2)
+    grad = lambda tt: jax.jit(jax.grad(lambda p: st.micro_sums(
+        g, p, micro, _frozen(), key, cfg=CFG, t=tt, training=True).wce))(state.params)
+    for a, b in zip(jax.tree.leaves(grad(t)), jax.tree.leaves(grad(tn))):
+      np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
