@@ -2,6 +2,7 @@
 features, the naive packed forward leaks, kernel choice and errors, loading from a directory."""
 
 import importlib.util
+import inspect
 import logging
 import sys
 import types
@@ -131,12 +132,22 @@ def test_layers_above_the_last_needed_one_never_run(target):
   assert set(ran) == {0, 1} and len(ran) > 2   # several per-document forwards, none past layer 1
 
 
+def _torch_reference(fn):
+  """The plain torch function behind one of transformers' hub-kernel wrappers. With the `kernels`
+  package installed (transformers >= 5.25 requires it) the wrapper is an nn.Module whose forward
+  closes over the function; without it, the wrapper is the function itself."""
+  if isinstance(fn, torch.nn.Module):
+    forward = type(fn).forward
+    fn = dict(zip(forward.__code__.co_freevars, forward.__closure__))["func"].cell_contents
+  return inspect.unwrap(fn)
+
+
 def _varlen_reference_kernels(monkeypatch, model, keep_rule=False):
   """Stand-ins for causal_conv1d (which honours seq_idx) and, unless keep_rule, fla's chunked
   delta rule (which honours cu_seqlens): transformers' torch references run once per segment.
   Returns the list of (kernel, segments) calls they saw."""
   module = sys.modules[type(model).__module__]
-  conv, rule = module.causal_conv1d_fn.__wrapped__, module.torch_chunk_gated_delta_rule.__wrapped__
+  conv, rule = _torch_reference(module.causal_conv1d_fn), _torch_reference(module.torch_chunk_gated_delta_rule)
   seen = []
 
   def conv_fn(x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
