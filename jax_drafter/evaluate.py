@@ -325,6 +325,10 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
       # Its standard error over the prompts (responses differ far more than verify steps of one
       # response do): two drafters evaluated on the same prompts compare prompt by prompt.
       "tau_stderr": objective.stderr(taus),
+      # All verify steps pooled (tokens over steps): short responses weigh less than in the mean
+      # over responses above, which is the figure z-lab's DFlash benchmark prints.
+      "tau_pooled": (sum(sum(a + 1 for a in r["accepted"]) for r in rows) / int(hist.sum())
+                     if hist.sum() else None),
       "max_tau": block_size, "block_size": block_size, "max_new_tokens": max_new_tokens,
       "temperature": temperature, "num_prompts": len(rows), "target": target_name,
       "verify_steps": int(hist.sum()),
@@ -369,8 +373,10 @@ def format_report(r: dict) -> str:
     m = ll["mismatches"][0]
     lossless = (f"FAILED on {len(ll['mismatches'])} of {r['num_prompts']} prompts; first: "
                 f"{_divergence_text(m)}: {m['reason']}")
+  pooled = ("" if r.get("tau_pooled") is None
+            else f"; {r['tau_pooled']:.3f} over all verify steps pooled")
   lines = [f"tau = {tau} (max {r['max_tau']}) over {r['num_prompts']} prompts, "
-           f"{r['verify_steps']} verify steps",
+           f"{r['verify_steps']} verify steps{pooled}",
            f"tokens per verify step (histogram): {hist}",
            f"tokens/s: speculative {fmt(tps['speculative'])}, target only "
            f"{fmt(tps['target_only'])}, speedup {fmt(tps['speedup'], '{:.2f}x')}{cached}",

@@ -398,5 +398,7 @@ def test_tau_is_the_mean_over_responses_with_its_standard_error():
   assert r["tau"] == pytest.approx(7 / 3)
   assert r["tau_stderr"] == pytest.approx(np.std([1, 4, 2], ddof=1) / np.sqrt(3))
   assert f"tau = 2.333 ± {r['tau_stderr']:.3f} (standard error over prompts)" in evaluate.format_report(r)
+  assert r["tau_pooled"] == pytest.approx((2 + 4 + 8) / 7)   # 14 tokens in 7 verify steps
+  assert "2.000 over all verify steps pooled" in evaluate.format_report(r)
   assert evaluate.summarize(rows[:1], block_size=4, max_new_tokens=4, temperature=0.0,
                             target_name="t")["tau_stderr"] is None
