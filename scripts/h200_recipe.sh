@@ -34,7 +34,8 @@ mkdir -p "$OUT" "$D" "$L"
 T0=$(date +%s)
 export PYTHONPATH=/tmp/site:$D/src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false HF_HUB_OFFLINE=1
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-RUN=$D/runs/recipe
+RUN=$D/runs/${ARM:-recipe}
+DONE=${DONE_FILE:-$D/DONE}
 COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf_file=$GGUF"
         "data.path=$D/sharegpt_user_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
@@ -42,8 +43,10 @@ stamp() { echo "=== [$(date +%T)] $*"; }
 
 collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back, 16 MiB each)
   [ -f "$RUN/metrics.jsonl" ] && cp "$RUN/metrics.jsonl" "$L/metrics.jsonl"
-  (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls pipeline.log regen.log regen.json train.log eval.log \
-      eval.json metrics.jsonl 2>/dev/null))
+  for a in "$L"/arm-*/; do [ -d "$D/runs/$(basename "$a" | cut -c5-)" ] && \
+      cp "$D/runs/$(basename "$a" | cut -c5-)/metrics.jsonl" "$a" 2>/dev/null; done
+  (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d pipeline.log regen.log regen.json train.log eval.log \
+      eval.json metrics.jsonl arm-* 2>/dev/null))
   # The regenerated answers, once the pipeline is done: xz parts of 15 MiB (at most 7), which a
   # later session restores with a second "stage" call carrying them in .gpu_c.
   if [ -f "$D/DONE" ] && ls "$L"/regen.xz.part_* > /dev/null 2>&1; then
@@ -93,21 +96,36 @@ case "${1:-}" in
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
     cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
-    EXTRA=${EXTRA:-} BUDGET_S=${BUDGET_S:-1140} EVAL_ARGS=${EVAL_ARGS:-} setsid nohup bash "$D/src/scripts/h200_recipe.sh" \
-        pipeline > "$L/pipeline.log" 2>&1 < /dev/null &
+    mode=pipeline; [ -z "${ARMS:-}" ] || mode=arms
+    EXTRA=${EXTRA:-} BUDGET_S=${BUDGET_S:-1140} EVAL_ARGS=${EVAL_ARGS:-} ARMS=${ARMS:-} \
+        setsid nohup bash "$D/src/scripts/h200_recipe.sh" $mode \
+        > "$L/pipeline.log" 2>&1 < /dev/null &
     sleep 2; watch ;;
   watch)
     [ -d "$D/src" ] || { echo "no pipeline on this machine: it went cold"; exit 3; }
     watch ;;
+  arms)       # ARMS="name:overrides;name:overrides": the pipeline once per arm, in order, on the
+              # same regenerated answers (the first arm regenerates, later ones find them cached);
+              # each arm's logs end up in $L/arm-NAME, its run in $D/runs/NAME
+    IFS=';' read -ra arms <<< "${ARMS:?ARMS=\"name:overrides;...\"}"
+    for a in "${arms[@]}"; do
+      name=${a%%:*}; extra=${a#*:}
+      stamp "arm $name: $extra"
+      ARM=$name EXTRA="$extra" DONE_FILE="$L/$name.done" bash "$0" pipeline
+      mkdir -p "$L/arm-$name"
+      mv "$L"/regen.log "$L"/regen.json "$L"/train.log "$L"/eval.log "$L"/eval.json "$L/arm-$name/" 2>/dev/null
+      echo "arm $name: $(cat "$L/$name.done")" >> "$L/arms.done"
+    done
+    cp "$L/arms.done" "$D/DONE" ;;
   pipeline)   # runs in $D/src, in its own session
     P0=$(date +%s)
     stamp "regenerate"
     timeout 900 python3 -m jax_drafter.regenerate "${COMMON[@]}" ${EXTRA:-} \
         --json "$L/regen.json" --quiet > "$L/regen.log" 2>&1
     rc=$?; tail -n 3 "$L/regen.log"
-    [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$D/DONE"; exit 1; }
+    [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$DONE"; exit 1; }
     # Compressed copy of the answers for later sessions, on 4 CPU cores beside the training.
-    (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" | split -b 15M - "$L/regen.xz.part_") &
+    [ -e "$L/regen.xz.part_aa" ] || (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" | split -b 15M - "$L/regen.xz.part_") &
     # --max-minutes counts the training's start-up too; 10 s for the last checkpoint and export
     MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 10) / 60))")
     stamp "train for $MIN minutes"
@@ -115,12 +133,12 @@ case "${1:-}" in
         --max-minutes "$MIN" --quiet > "$L/train.log" 2>&1
     rc=$?; tail -n 3 "$L/train.log"
     stamp "regeneration + training took $(( $(date +%s) - P0 )) s (train rc=$rc)"
-    [ $rc -eq 0 ] || { echo "train rc=$rc" > "$D/DONE"; exit 1; }
+    [ $rc -eq 0 ] || { echo "train rc=$rc" > "$DONE"; exit 1; }
     stamp "evaluate"
     python3 -m jax_drafter.evaluate --run-dir "$RUN" --target-path "$D/smollm2" --gguf-file "$GGUF" \
         ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
     rc=$?; tail -n 12 "$L/eval.log"
-    echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$D/DONE" ;;
+    echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE" ;;
   *) echo "usage: $0 stage|launch|watch"; exit 2 ;;
 esac
 echo "part took $(( $(date +%s) - T0 )) s"
