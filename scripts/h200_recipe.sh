@@ -24,7 +24,9 @@
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
 # (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
-# default 580).
+# default 580), ARMS ("name:overrides;name:overrides": launch runs the pipeline once per arm, in
+# order, with BUDGET_S per arm; logs come back in arm-NAME/).
+# The machine is released 30 s after a call ends: issue each next call at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
