@@ -17,9 +17,9 @@
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
 # Each call copies the logs, metrics and results written so far to $OUT.
-# The logs, metrics and results come back as logs.tar.gz; once the pipeline is done, the
-# regenerated answers too (regen.xz.part_*, ~17 MB for every turn): keep them in .gpu_c, and a
-# later session's extra "stage" call carrying .gpu_c (before "launch"; .gpu_b + .gpu_c exceed one
+# The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
+# (a minute or two into training), the regenerated answers too (regen.xz.part_*, ~17 MB for every
+# turn): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before "launch"; .gpu_b + .gpu_c exceed one
 # call's 64 MiB) restores them, so its regeneration finds every conversation cached.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
@@ -49,9 +49,9 @@ collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back
       cp "$D/runs/$(basename "$a" | cut -c5-)/metrics.jsonl" "$a" 2>/dev/null; done
   (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d pipeline.log regen.log regen.json train.log eval.log \
       eval.json metrics.jsonl arm-* 2>/dev/null))
-  # The regenerated answers, once the pipeline is done: xz parts of 15 MiB (at most 7), which a
+  # The regenerated answers, once compressed: xz parts of 15 MiB (at most 7), which a
   # later session restores with a second "stage" call carrying them in .gpu_c.
-  if [ -f "$D/DONE" ] && ls "$L"/regen.xz.part_* > /dev/null 2>&1; then
+  if [ -f "$L/regen.xz.done" ] && ls "$L"/regen.xz.part_* > /dev/null 2>&1; then
     n=$(ls "$L"/regen.xz.part_* | wc -l)
     if [ "$n" -le 7 ]; then cp "$L"/regen.xz.part_* "$OUT/"; else echo "regen cache: $n parts, not returned"; fi
   fi
@@ -127,7 +127,8 @@ case "${1:-}" in
     rc=$?; tail -n 3 "$L/regen.log"
     [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$DONE"; exit 1; }
     # Compressed copy of the answers for later sessions, on 4 CPU cores beside the training.
-    [ -e "$L/regen.xz.part_aa" ] || (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" | split -b 15M - "$L/regen.xz.part_") &
+    [ -e "$L/regen.xz.part_aa" ] || (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" |
+        split -b 15M - "$L/regen.xz.part_" && touch "$L/regen.xz.done") &
     # --max-minutes counts the training's start-up too; 10 s for the last checkpoint and export
     MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 10) / 60))")
     stamp "train for $MIN minutes"
