@@ -327,7 +327,7 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
       "tau_stderr": objective.stderr(taus),
       # All verify steps pooled (tokens over steps): short responses weigh less than in the mean
       # over responses above, which is the figure z-lab's DFlash benchmark prints.
-      "tau_pooled": (sum(sum(a + 1 for a in r["accepted"]) for r in rows) / int(hist.sum())
+      "tau_pooled": (float(hist @ np.arange(block_size + 1)) / int(hist.sum())
                      if hist.sum() else None),
       "max_tau": block_size, "block_size": block_size, "max_new_tokens": max_new_tokens,
       "temperature": temperature, "num_prompts": len(rows), "target": target_name,
