@@ -19,8 +19,9 @@
 # Each call copies the logs, metrics and results written so far to $OUT.
 # The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
 # (a minute or two into training), the regenerated answers too (regen.xz.part_*, ~17 MB for every
-# turn): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before "launch"; .gpu_b + .gpu_c exceed one
-# call's 64 MiB) restores them, so its regeneration finds every conversation cached.
+# turn): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before
+# "launch"; .gpu_b + .gpu_c exceed one call's 64 MiB) restores them, so its regeneration finds
+# every conversation cached.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
 # (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
@@ -44,9 +45,8 @@ left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
 stamp() { echo "=== [$(date +%T)] $*"; }
 
 collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back, 16 MiB each)
-  [ -f "$RUN/metrics.jsonl" ] && cp "$RUN/metrics.jsonl" "$L/metrics.jsonl"
-  for a in "$L"/arm-*/; do [ -d "$D/runs/$(basename "$a" | cut -c5-)" ] && \
-      cp "$D/runs/$(basename "$a" | cut -c5-)/metrics.jsonl" "$a" 2>/dev/null; done
+  # the run the pipeline is training now (it writes $L/run; an arm's own run under ARMS)
+  run=$(cat "$L/run" 2>/dev/null) && [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$L/metrics.jsonl"
   (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d pipeline.log regen.log regen.json train.log eval.log \
       eval.json metrics.jsonl arm-* 2>/dev/null))
   # The regenerated answers, once compressed: xz parts of 15 MiB (at most 7), which a
@@ -110,17 +110,21 @@ case "${1:-}" in
               # same regenerated answers (the first arm regenerates, later ones find them cached);
               # each arm's logs end up in $L/arm-NAME, its run in $D/runs/NAME
     IFS=';' read -ra arms <<< "${ARMS:?ARMS=\"name:overrides;...\"}"
+    : > "$L/arms.done"
     for a in "${arms[@]}"; do
       name=${a%%:*}; extra=${a#*:}
       stamp "arm $name: $extra"
       ARM=$name EXTRA="$extra" DONE_FILE="$L/$name.done" bash "$0" pipeline
       mkdir -p "$L/arm-$name"
-      mv "$L"/regen.log "$L"/regen.json "$L"/train.log "$L"/eval.log "$L"/eval.json "$L/arm-$name/" 2>/dev/null
+      cp "$D/runs/$name/metrics.jsonl" "$L/metrics.jsonl" 2>/dev/null
+      mv "$L"/regen.log "$L"/regen.json "$L"/train.log "$L"/eval.log "$L"/eval.json \
+          "$L"/metrics.jsonl "$L/arm-$name/" 2>/dev/null
       echo "arm $name: $(cat "$L/$name.done")" >> "$L/arms.done"
     done
     cp "$L/arms.done" "$D/DONE" ;;
   pipeline)   # runs in $D/src, in its own session
     P0=$(date +%s)
+    echo "$RUN" > "$L/run"
     stamp "regenerate"
     timeout 900 python3 -m jax_drafter.regenerate "${COMMON[@]}" ${EXTRA:-} \
         --json "$L/regen.json" --quiet > "$L/regen.log" 2>&1
