@@ -1,11 +1,13 @@
 """Acceptance length tau by real DFlash speculative decoding: PyTorch target + JAX drafter.
 
-    python -m jax_drafter.evaluate (--run-dir RUN [--step N | --best] | --drafter-dir ZLAB_DIR)
+    python -m jax_drafter.evaluate (--run-dir RUN [--step N | --best | --export] | --drafter-dir ZLAB_DIR)
         [--target-path DIR --gguf-file F] [--target-dtype D] [--prompts FILE.jsonl]
         [--num-prompts 16] [--max-new-tokens 128] [--block-size K] [--temperature 0] [--json REPORT]
 
 --best: the run's `best/` drafter (the best validation tau, exported during training) with the
-run's own settings (target, dtype, held-out split), as the checkpoints are evaluated.
+run's own settings (target, dtype, held-out split), as the checkpoints are evaluated. --export: the
+same for the drafter the run exported at its end (`export/`, or train.export_dir): a run directory
+holding only config.json and that export (no checkpoints) can still be evaluated on its held-out split.
 
 tau (docs/DESIGN.md): each verify step accepts `acc` drafted tokens plus the target's bonus token;
 tau = mean of acc + 1 over the verify steps of a response, averaged over responses; max = K.
@@ -400,6 +402,9 @@ def _parse(argv):
   p.add_argument("--best", action="store_true",
                  help="with --run-dir: the run's best/ drafter (best validation tau) instead of a "
                       "checkpoint, with the run's settings")
+  p.add_argument("--export", action="store_true",
+                 help="with --run-dir: the drafter the run exported at its end (export/, or "
+                      "train.export_dir) instead of a checkpoint, with the run's settings")
   p.add_argument("--target-path", help="HF target directory (default: the run's target)")
   p.add_argument("--gguf-file", help="GGUF file inside --target-path")
   p.add_argument("--device", default=None, help="target device (default: the run's, or auto)")
@@ -422,29 +427,37 @@ def _parse(argv):
     p.error("--step needs --run-dir")
   if args.best and not args.run_dir:
     p.error("--best needs --run-dir (a drafter directory is given with --drafter-dir alone)")
-  if args.best and args.step is not None:
-    p.error("--best and --step choose different drafters: give one of them")
+  if args.export and not args.run_dir:
+    p.error("--export needs --run-dir (a drafter directory is given with --drafter-dir alone)")
+  if sum((args.best, args.export, args.step is not None)) > 1:
+    p.error("--best, --export and --step choose different drafters: give one of them")
   if args.gguf_file and not args.target_path:
     p.error("--gguf-file needs --target-path")
   return args
 
 
-def _best_of_run(run_dir: str):
-  """(cfg, graphdef, params, run_config) of RUN/best, with the settings RUN/config.json records."""
-  best = os.path.join(run_dir, "best")
-  if not os.path.isdir(best):
-    raise EvaluationError(f"{run_dir} has no best/ drafter: it is written at the first validation "
-                          "(train.val_every with data.validation > 0); evaluate a checkpoint "
-                          "instead (--step N, default the latest)")
+def _exported_of_run(run_dir: str, which: str):
+  """(cfg, graphdef, params, run_config) of a drafter the run exported (`which`: "best", the best
+  validation tau, or "export", the end of training), with the settings RUN/config.json records."""
   conf = os.path.join(run_dir, "config.json")
   try:
     with open(conf) as f:
       run_config = json.load(f).get("run_config") or {}
   except (OSError, json.JSONDecodeError, AttributeError) as e:
     raise EvaluationError(f"{conf}: cannot read the run's settings ({type(e).__name__}: {e}); "
-                          f"evaluate {best} with --drafter-dir and --prompts instead") from None
+                          f"evaluate the drafter with --drafter-dir and --prompts instead") from None
+  if which == "best":
+    where = os.path.join(run_dir, "best")
+    missing = ("it is written at the first validation (train.val_every with data.validation > 0); "
+               "evaluate a checkpoint instead (--step N, default the latest)")
+  else:
+    where = (run_config.get("train") or {}).get("export_dir") or os.path.join(run_dir, "export")
+    missing = ("it is written when training ends (not with --no-export); evaluate a checkpoint "
+               "instead (--step N, default the latest)")
+  if not os.path.isdir(where):
+    raise EvaluationError(f"{run_dir} has no {which}/ drafter ({where}): {missing}")
   from jax_drafter.export import read_zlab
-  cfg, graphdef, params = read_zlab(best)
+  cfg, graphdef, params = read_zlab(where)
   return cfg, graphdef, params, run_config
 
 
@@ -454,8 +467,9 @@ def main(argv=None) -> int:
   setup_logging(timestamps=False)     # the report, not the libraries' INFO lines
   args = _parse(argv)
   try:
-    if args.best:
-      cfg, graphdef, params, run_config = _best_of_run(args.run_dir)
+    if args.best or args.export:
+      cfg, graphdef, params, run_config = _exported_of_run(args.run_dir,
+                                                           "best" if args.best else "export")
     elif args.run_dir:
       from jax_drafter.checkpoint import load_params
       cfg, graphdef, params, meta = load_params(args.run_dir, args.step)

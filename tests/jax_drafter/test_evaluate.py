@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -365,9 +366,44 @@ def test_cli_best_takes_the_runs_settings(smollm2, tmp_path, monkeypatch):
   assert asked[-1] == "float32"
   # No best/ yet: a clear error, not a traceback; --best with --step or without --run-dir: usage.
   assert evaluate.main(["--run-dir", str(tmp_path / "empty"), "--best"]) == 2
-  for bad in (["--run-dir", str(run), "--best", "--step", "5"], ["--drafter-dir", "x", "--best"]):
+  for bad in (["--run-dir", str(run), "--best", "--step", "5"], ["--drafter-dir", "x", "--best"],
+              ["--run-dir", str(run), "--best", "--export"], ["--drafter-dir", "x", "--export"]):
     with pytest.raises(SystemExit):
       evaluate.main(bad)
+
+
+def test_cli_export_reads_the_end_of_training_drafter(smollm2, tmp_path, monkeypatch, capsys):
+  """--export: RUN/export (what train writes at its end) with the run's settings, in a run directory
+  that has nothing else (no checkpoints, no best/: what a lost GPU machine sends back); the drafter
+  read is that one, not best/."""
+  from jax_drafter.export import write_zlab
+  cfg, graphdef, params = smol_drafter(smollm2)
+  run = tmp_path / "run"
+  convs = tmp_path / "convs.jsonl"
+  convs.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+      {"from": "human", "value": f"Name a colour, number {i}."}, {"from": "gpt", "value": "Red."}]})
+      + "\n" for i in range(6)))
+  run_config = {"target": {"path": None, "gguf_file": None, "dtype": "float32", "device": "cpu"},
+                "data": {"path": str(convs), "held_out": 2, "seed": 0, "max_conversations": None}}
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"run_config": run_config}))
+  monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: smollm2)
+  assert evaluate.main(["--run-dir", str(run), "--export", "--num-prompts", "1"]) == 2
+  assert "has no export/ drafter" in capsys.readouterr().err
+  write_zlab(str(run / "export"), cfg, params, dtype="float32")
+  read = []
+  real = evaluate.evaluate_tau
+  monkeypatch.setattr(evaluate, "evaluate_tau",
+                      lambda target, c, g, p, prompts, **kw: read.append(p) or real(target, c, g, p,
+                                                                                  prompts, **kw))
+  out = tmp_path / "report.json"
+  assert evaluate.main(["--run-dir", str(run), "--export", "--num-prompts", "4",
+                        "--max-new-tokens", "4", "--json", str(out)]) == 0
+  assert json.loads(out.read_text())["num_prompts"] == 2  # the run's two held-out conversations
+  got = jax.tree_util.tree_leaves(read[0])
+  want = jax.tree_util.tree_leaves(params)
+  assert len(got) == len(want) and all(np.array_equal(np.asarray(a), np.asarray(b))
+                                       for a, b in zip(got, want))
 
 
 def test_batched_references_equal_decoded_ones(tiny_target, monkeypatch):
