@@ -16,12 +16,17 @@
 #            .gpu_c to restore earlier regenerated answers
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
+#   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl and then .gpu_d: only the
+#            held-out evaluation, of a drafter whose machine was lost after training
 # Each call copies the logs, metrics and results written so far to $OUT.
 # The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
 # (a minute or two into training), the regenerated answers too (regen.xz.part_*, ~17 MB for every
 # turn): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before
 # "launch"; .gpu_b + .gpu_c exceed one call's 64 MiB) restores them, so its regeneration finds
-# every conversation cached.
+# every conversation cached. When training ends, the drafter (its export/ and config.json, xz
+# parts drafter-ARM.xz.part_*, ~65 MB) comes back the same way: kept in .gpu_d, a later chain
+# stage (.gpu_a .whl) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
+# (`jax_drafter.evaluate --run-dir R --export`). Each set of parts comes back once.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
 # (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
@@ -49,12 +54,21 @@ collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back
   run=$(cat "$L/run" 2>/dev/null) && [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$L/metrics.jsonl"
   (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d pipeline.log regen.log regen.json train.log eval.log \
       eval.json metrics.jsonl arm-* 2>/dev/null))
-  # The regenerated answers, once compressed: xz parts of 15 MiB (at most 7), which a
-  # later session restores with a second "stage" call carrying them in .gpu_c.
-  if [ -f "$L/regen.xz.done" ] && ls "$L"/regen.xz.part_* > /dev/null 2>&1; then
-    n=$(ls "$L"/regen.xz.part_* | wc -l)
-    if [ "$n" -le 7 ]; then cp "$L"/regen.xz.part_* "$OUT/"; else echo "regen cache: $n parts, not returned"; fi
-  fi
+  # Once each, as soon as compressed: the regenerated answers (regen.xz.part_*, which a later
+  # session restores with a "stage" call carrying them in .gpu_c) and each trained drafter
+  # (drafter-ARM.xz.part_*: its export/ and config.json, restored from .gpu_d so that "evaluate"
+  # can measure a drafter whose machine was lost). Sent once: every file costs transfer time
+  # before the next call, and the machine is released 30 s after a call.
+  for set in regen $(cd "$L" && ls drafter-*.xz.done 2>/dev/null | sed 's/\.xz\.done$//'); do
+    [ -f "$L/$set.xz.done" ] && [ ! -f "$L/$set.xz.sent" ] || continue
+    n=$(ls "$L/$set".xz.part_* | wc -l)
+    room=$(( 8 - $(ls "$OUT" | wc -l) ))
+    if [ "$n" -le "$room" ]; then
+      cp "$L/$set".xz.part_* "$OUT/" && touch "$L/$set.xz.sent"
+    else
+      echo "$set: $n parts, $room files left to return in this call; the next call sends them"
+    fi
+  done
 }
 
 watch() {
@@ -82,6 +96,11 @@ case "${1:-}" in
       cp .gpu_a/gguf.part0 "$D/gguf.part0"
       gunzip -c .gpu_a/sharegpt_user_turns.jsonl.gz > "$D/sharegpt_user_turns.jsonl"
     fi
+    if ls .gpu_d/drafter-*.xz.part_* > /dev/null 2>&1; then   # a drafter of a lost machine
+      rm -rf "$D/runs/restored" && mkdir -p "$D/runs/restored"
+      cat .gpu_d/drafter-*.xz.part_* | xz -dc | tar x -C "$D/runs/restored" || exit 1
+      echo "drafter restored: $(ls "$D/runs/restored")"
+    fi
     if ls .gpu_c/regen.xz.part_* > /dev/null 2>&1; then   # an earlier session's answers
       mkdir -p "$D/cache"
       cat .gpu_c/regen.xz.part_* | xz -dc > "$D/cache/regenerated.jsonl" || exit 1
@@ -90,15 +109,17 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     # The rest of this call's time can serve other GPU checks (e.g. STAGE_CHECKS=kernel-tests).
     [ -z "${STAGE_CHECKS:-}" ] || OUT=$OUT LIMIT=$(( $(left) - 10 )) bash scripts/h200_checks.sh $STAGE_CHECKS ;;
-  launch)
+  launch|evaluate)   # evaluate: only the held-out evaluation of the drafter "stage" restored
     [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
       echo "no $D/gguf.part0: the machine went cold; run 'stage' first"; exit 3; }
+    [ "$1" = launch ] || [ -f "$D/runs/restored/config.json" ] || {
+      echo "no restored drafter: run 'stage' carrying .gpu_d first"; exit 3; }
     mkdir -p "$D/smollm2" "$D/cache"
     cat "$D/gguf.part0" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
     cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
-    mode=pipeline; [ -z "${ARMS:-}" ] || mode=arms
+    mode=pipeline; [ -z "${ARMS:-}" ] || mode=arms; [ "$1" = launch ] || mode=eval-restored
     EXTRA=${EXTRA:-} BUDGET_S=${BUDGET_S:-1140} EVAL_ARGS=${EVAL_ARGS:-} ARMS=${ARMS:-} \
         setsid nohup bash "$D/src/scripts/h200_recipe.sh" $mode \
         > "$L/pipeline.log" 2>&1 < /dev/null &
@@ -141,11 +162,24 @@ case "${1:-}" in
     rc=$?; tail -n 3 "$L/train.log"
     stamp "regeneration + training took $(( $(date +%s) - P0 )) s (train rc=$rc)"
     [ $rc -eq 0 ] || { echo "train rc=$rc" > "$DONE"; exit 1; }
+    # The trained drafter (bf16 export + the run's settings, ~65 MB) comes back before the
+    # evaluation, so a machine lost during it leaves the drafter for "evaluate" in a later call.
+    name=drafter-${ARM:-recipe}
+    (cd "$RUN" && tar c config.json export | xz -T8 -1 | split -b 15M - "$L/$name.xz.part_") &&
+        touch "$L/$name.xz.done"
     stamp "evaluate"
     python3 -m jax_drafter.evaluate --run-dir "$RUN" --target-path "$D/smollm2" --gguf-file "$GGUF" \
         ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
     rc=$?; tail -n 12 "$L/eval.log"
     echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE" ;;
-  *) echo "usage: $0 stage|launch|watch"; exit 2 ;;
+  eval-restored)   # runs in $D/src: the evaluation the pipeline would have run, on the export
+    P0=$(date +%s)
+    stamp "evaluate the restored drafter (its end-of-training export)"
+    python3 -m jax_drafter.evaluate --run-dir "$D/runs/restored" --export \
+        --target-path "$D/smollm2" --gguf-file "$GGUF" \
+        ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
+    rc=$?; tail -n 12 "$L/eval.log"
+    echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE" ;;
+  *) echo "usage: $0 stage|launch|evaluate|watch"; exit 2 ;;
 esac
 echo "part took $(( $(date +%s) - T0 )) s"
