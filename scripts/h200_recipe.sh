@@ -74,16 +74,20 @@ collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back
 watch() {
   while [ ! -f "$D/DONE" ] && [ "$(left)" -gt 25 ]; do
     sleep 20
+    # A line a minute: a short report is read, and the next call issued, within the 30 s the
+    # machine waits (chains were lost after 6 KB reports; whether the reading time was the cause
+    # is not known).
+    [ $(( ($(date +%s) - T0) % 60 )) -lt 20 ] || continue
     f=$(ls -t "$L"/regen.log "$L"/train.log "$L"/eval.log 2>/dev/null | head -n 1)
     # the last line that says something (transformers repeats a tokenizer warning per batch)
     line=$(tr '\r' '\n' < "${f:-$L/pipeline.log}" 2>/dev/null | grep -v -e '^\s*$' \
-        -e 'Ignoring clean_up_tokenization_spaces' | tail -n 1 | cut -c1-220)
+        -e 'Ignoring clean_up_tokenization_spaces' | tail -n 1 | cut -c1-140)
     echo "[$(date +%T)] ${f##*/}: $line"
   done
   collect
   if [ -f "$D/DONE" ]; then echo "pipeline done: $(cat "$D/DONE")"; else echo "pipeline still running"; fi
   grep -h -E "regenerate: [0-9]+ tokens|validation \(|time budget|held-out|tau |lossless|rror" \
-      "$L"/regen.log "$L"/train.log "$L"/eval.log 2>/dev/null | tail -n 12
+      "$L"/regen.log "$L"/train.log "$L"/eval.log 2>/dev/null | tail -n 6 | cut -c1-200
 }
 
 case "${1:-}" in
