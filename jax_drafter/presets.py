@@ -66,6 +66,12 @@ def smollm2_135m(num_hidden_layers: int = 1) -> DrafterConfig:
       max_position_embeddings=8192)
 
 
+def smollm2_135m_h200() -> DrafterConfig:
+  """The GPU recipe's drafter for SmolLM2-135M (configs/smollm2-h200.yaml): 5 full-attention
+  layers conditioned on target layers 1, 8, 14, 20, 27, MLP width 3072."""
+  return dataclasses.replace(smollm2_135m(5), intermediate_size=3072)
+
+
 def tiny() -> DrafterConfig:
   """Seconds-sized shapes for tests of tools (2 layers: sliding + full)."""
   return DrafterConfig(
@@ -85,6 +91,7 @@ ARCHITECTURES = {   # name -> (its target's name, the drafter)
     "qwen3.6-27b": ("Qwen3.6-27B", qwen36_27b),
     "qwen3-8b": ("Qwen3-8B", qwen3_8b),
     "smollm2-135m": ("SmolLM2-135M", smollm2_135m),
+    "smollm2-135m-h200": ("SmolLM2-135M", smollm2_135m_h200),
     "tiny": ("tiny", tiny),
     "tiny-parity": ("tiny", tiny_parity),
 }
@@ -126,6 +133,11 @@ RUNS = {
     "27b-64k": Run("qwen3.6-27b", seq_len=65536, anchors=2048, batch=1),
     "8b-3k": Run("qwen3-8b", seq_len=3072, anchors=512, batch=4),
     "8b-8k": Run("qwen3-8b", seq_len=8192, anchors=1024, batch=1),
+    # The SmolLM2 GPU recipe's step (8 rows of 2048) at its 512 anchors per row and fewer: what a
+    # step costs against how many blocks it trains (the recipe's steps are drafter-bound).
+    "smol-2k-a512": Run("smollm2-135m-h200", seq_len=2048, anchors=512, batch=8, ce_chunk=8192),
+    "smol-2k-a256": Run("smollm2-135m-h200", seq_len=2048, anchors=256, batch=8, ce_chunk=8192),
+    "smol-2k-a128": Run("smollm2-135m-h200", seq_len=2048, anchors=128, batch=8, ce_chunk=8192),
     # Seconds on a CPU: the bench harness's smoke test, and parity's default.
     "tiny": Run("tiny", seq_len=64, anchors=8, batch=2),
     "tiny-parity": Run("tiny-parity", seq_len=64, anchors=8, batch=2, ce_chunk=16),

@@ -9,6 +9,7 @@
 #   bash scripts/h200_checks.sh memory          # predicted vs measured peak, 27B 8k/64k, budget 131k
 #   bash scripts/h200_checks.sh bench           # full step JAX vs both PyTorch rows, 27b-8k
 #   bash scripts/h200_checks.sh bench-breakdown # the JAX step's parts + JAX with per-layer remat
+#   bash scripts/h200_checks.sh bench-smol      # the SmolLM2 recipe's step at 512/256/128 anchors
 #   bash scripts/h200_checks.sh bench-8b bench-32k bench-64k   # the other bench cases
 #   bash scripts/h200_checks.sh hybrid-27b      # hybrid GPU tests, a 27B-shaped hybrid target + the
 #                                               # 27B drafter's step on one GPU (issue #14)
@@ -62,6 +63,11 @@ part_cmds() {
                     # took ~35 s, each PyTorch row ~125-141 s of compilation before its timed steps
       run timeout 570 python3 -m jax_drafter.tools.bench --case 27b-8k --timeout 260 \
           --json "$OUT/bench.json" ;;
+    bench-smol)   # the SmolLM2 GPU recipe's drafter step at 512 / 256 / 128 anchors per row, and
+                  # the parts of the 512-anchor step (what fewer anchors would buy)
+      run timeout 330 python3 -m jax_drafter.tools.bench --case smol-2k-a512 --case smol-2k-a256 \
+          --case smol-2k-a128 --side jax --breakdown smol-2k-a512 --timeout 200 \
+          --json "$OUT/bench-smol.json" ;;
     bench-breakdown)  # the JAX step's parts, and the JAX row with per-layer remat
       run timeout 300 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --breakdown 27b-8k \
           --timeout 280 --json "$OUT/bench-breakdown.json"
