@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -261,7 +262,8 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
     if temperature <= 0:
       check = spec_decode.check_lossless(decoder, arbiter, p, spec.tokens, ref.tokens,
                                          max_new_tokens=max_new_tokens, eos_ids=eos)
-    rows.append({"prompt": i, "prompt_tokens": len(p), "new_tokens": len(spec.tokens),
+    rows.append({"prompt": i, "prompt_key": prompt_key(p), "prompt_tokens": len(p),
+                 "new_tokens": len(spec.tokens),
                  "verify_steps": len(spec.accepted), "accepted": spec.accepted,
                  "tau": float(np.mean(spec.accepted) + 1) if spec.accepted else None,
                  "speculative_seconds": spec.seconds, "target_seconds": ref.seconds,
@@ -276,6 +278,12 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
       it.set_postfix(tau=f"{np.mean(taus):.2f}" if taus else "-")
   return summarize(rows, block_size=K, max_new_tokens=max_new_tokens, temperature=temperature,
                    target_name=target.name, arbiter=arbiter.kind)
+
+
+def prompt_key(ids) -> str:
+  """A short key of a prompt's token ids: two reports' rows of the same prompt share it
+  (jax_drafter.tools.compare pairs them by it)."""
+  return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
 
 def _batched_references(target: Target, ids, keys, cache, eos, max_new_tokens, *, skip: int):

@@ -399,7 +399,10 @@ def test_cli_export_reads_the_end_of_training_drafter(smollm2, tmp_path, monkeyp
   out = tmp_path / "report.json"
   assert evaluate.main(["--run-dir", str(run), "--export", "--num-prompts", "4",
                         "--max-new-tokens", "4", "--json", str(out)]) == 0
-  assert json.loads(out.read_text())["num_prompts"] == 2  # the run's two held-out conversations
+  report = json.loads(out.read_text())
+  assert report["num_prompts"] == 2                       # the run's two held-out conversations
+  keys = [r["prompt_key"] for r in report["per_prompt"]]  # what tools.compare pairs rows by
+  assert len(set(keys)) == 2 and all(len(k) == 16 for k in keys)
   got = jax.tree_util.tree_leaves(read[0])
   want = jax.tree_util.tree_leaves(params)
   assert len(got) == len(want) and all(np.array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,96 @@
+"""jax_drafter.tools.compare: two evaluation reports, prompt by prompt."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jax_drafter.tools import compare
+
+
+def _report(accepted, *, keys=None, lengths=None, max_new_tokens=8, temperature=0.0):
+  rows = []
+  for i, acc in enumerate(accepted):
+    row = {"prompt": i, "prompt_tokens": (lengths or [10 + i for i in range(len(accepted))])[i],
+           "accepted": acc}
+    if keys is not None:
+      row["prompt_key"] = keys[i]
+    rows.append(row)
+  return {"max_new_tokens": max_new_tokens, "temperature": temperature, "per_prompt": rows}
+
+
+def test_figures_by_hand():
+  """Mean of per-prompt differences, better/worse/equal, pooled tokens over steps, medians."""
+  base = _report([[0, 0, 0, 0], [1, 1], [3]])          # taus 1, 2, 4
+  new = _report([[1, 1], [1, 1], [0, 0, 3]])           # taus 2, 2, 2
+  c = compare.compare(base, new, resamples=200)
+  np.testing.assert_allclose(c["tau"]["BASE"], 7 / 3)
+  np.testing.assert_allclose(c["tau"]["NEW"], 2.0)
+  np.testing.assert_allclose(c["tau_difference"], np.mean([1, 0, -2]))
+  np.testing.assert_allclose(c["tau_difference_stderr"], np.std([1, 0, -2], ddof=1) / np.sqrt(3))
+  assert (c["better"], c["worse"], c["equal"]) == (1, 1, 1)
+  # Pooled: BASE (4 + 4 + 4) tokens over 7 steps; NEW (4 + 4 + 6) over 7.
+  np.testing.assert_allclose(c["tau_pooled"]["BASE"], 12 / 7)
+  np.testing.assert_allclose(c["tau_pooled"]["NEW"], 14 / 7)
+  np.testing.assert_allclose(c["tau_pooled_difference"], 2 / 7)
+  lo, hi = c["tau_pooled_difference_95"]
+  assert lo <= hi
+  assert c["tau_median"] == {"BASE": 2.0, "NEW": 2.0}
+  # Seeded: the same interval again; another seed may differ but stays an interval.
+  assert compare.compare(base, new, resamples=200)["tau_pooled_difference_95"] == [lo, hi]
+
+
+def test_a_drafter_against_itself_is_zero_everywhere():
+  rng = np.random.default_rng(1)
+  acc = [list(rng.integers(0, 4, rng.integers(1, 9))) for _ in range(12)]
+  acc = [[int(a) for a in row] for row in acc]
+  c = compare.compare(_report(acc), _report(acc), resamples=100)
+  assert c["tau_difference"] == 0 and c["tau_pooled_difference"] == 0
+  assert c["tau_pooled_difference_95"] == [0.0, 0.0]
+  assert (c["better"], c["worse"], c["equal"]) == (0, 0, 12)
+
+
+def test_rows_pair_by_prompt_key_in_any_order():
+  base = _report([[0], [3, 3]], keys=["a", "b"])
+  new = _report([[3, 3], [0]], keys=["b", "a"], lengths=[11, 10])  # NEW evaluated b first
+  c = compare.compare(base, new, resamples=10)
+  assert c["tau_difference"] == 0 and (c["better"], c["worse"]) == (0, 0)
+
+
+@pytest.mark.parametrize("new, message", [
+    (_report([[0], [1]], keys=["a", "c"]), "different prompts"),
+    (_report([[0]], keys=["a"]), "different prompts"),
+    (_report([[0], [1]], keys=["a", "b"], max_new_tokens=16), "max_new_tokens=8"),
+    (_report([[0], [1]], keys=["a", "b"], temperature=1.0), "temperature"),
+])
+def test_refuses_reports_on_other_prompts_or_settings(new, message):
+  base = _report([[0], [1]], keys=["a", "b"])
+  with pytest.raises(compare.CompareError, match=message):
+    compare.compare(base, new)
+
+
+def test_without_keys_pairs_by_position_and_checks_lengths():
+  base = _report([[0], [1]])
+  assert compare.compare(base, _report([[1], [1]]), resamples=10)["better"] == 1
+  with pytest.raises(compare.CompareError, match="prompt 1 has 11 tokens in BASE and 12 in NEW"):
+    compare.compare(base, _report([[0], [1]], lengths=[10, 12]))
+
+
+def test_cli(tmp_path, capsys):
+  a, b = tmp_path / "a.json", tmp_path / "b.json"
+  a.write_text(json.dumps(_report([[0, 0], [1]], keys=["x", "y"])))
+  b.write_text(json.dumps(_report([[1], [1]], keys=["x", "y"])))
+  out = tmp_path / "cmp.json"
+  assert compare.main([str(a), str(b), "--resamples", "50", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "prompt by prompt: +0.500" in text and "better on 1, worse on 0, equal on 1" in text
+  assert json.loads(out.read_text())["tau_difference"] == 0.5
+  # Not a report: exit 2 with the file named, no traceback.
+  bad = tmp_path / "bad.json"
+  bad.write_text("{\"tau\": 1.2}")
+  assert compare.main([str(a), str(bad)]) == 2
+  assert f"{bad}: no per_prompt rows" in capsys.readouterr().err
+  assert compare.main([str(a), str(tmp_path / "missing.json")]) == 2
+  assert "cannot read an evaluation report" in capsys.readouterr().err
