@@ -339,20 +339,28 @@ def test_cli_end_to_end(smollm2, tmp_path, monkeypatch):
   assert evaluate.main(["--drafter-dir", zdir, "--prompts", str(prompts), "--block-size", "5"]) == 2
 
 
+def _run_dir_with_settings(tmp_path, dtype: str):
+  """tmp_path/run holding only config.json: a CPU SmolLM2 target in `dtype` and a held-out split
+  of 2 of 6 one-turn conversations (tmp_path/convs.jsonl)."""
+  run = tmp_path / "run"
+  run.mkdir()
+  convs = tmp_path / "convs.jsonl"
+  convs.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+      {"from": "human", "value": f"Name a colour, number {i}."}, {"from": "gpt", "value": "Red."}]})
+      + "\n" for i in range(6)))
+  run_config = {"target": {"path": None, "gguf_file": None, "dtype": dtype, "device": "cpu"},
+                "data": {"path": str(convs), "held_out": 2, "seed": 0, "max_conversations": None}}
+  (run / "config.json").write_text(json.dumps({"run_config": run_config}))
+  return run
+
+
 def test_cli_best_takes_the_runs_settings(smollm2, tmp_path, monkeypatch):
   """--best: RUN/best's weights, with the target dtype and held-out split RUN/config.json records
   (an exported directory alone records neither); --target-dtype overrides the dtype."""
   from jax_drafter.export import write_zlab
   cfg, graphdef, params = smol_drafter(smollm2)
-  run = tmp_path / "run"
+  run = _run_dir_with_settings(tmp_path, "bfloat16")
   write_zlab(str(run / "best"), cfg, params, dtype="float32")
-  convs = tmp_path / "convs.jsonl"
-  convs.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
-      {"from": "human", "value": f"Name a colour, number {i}."}, {"from": "gpt", "value": "Red."}]})
-      + "\n" for i in range(6)))
-  run_config = {"target": {"path": None, "gguf_file": None, "dtype": "bfloat16", "device": "cpu"},
-                "data": {"path": str(convs), "held_out": 2, "seed": 0, "max_conversations": None}}
-  (run / "config.json").write_text(json.dumps({"run_config": run_config}))
   asked = []
   monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: asked.append(k["dtype"]) or smollm2)
   out = tmp_path / "report.json"
@@ -378,15 +386,7 @@ def test_cli_export_reads_the_end_of_training_drafter(smollm2, tmp_path, monkeyp
   read is that one, not best/."""
   from jax_drafter.export import write_zlab
   cfg, graphdef, params = smol_drafter(smollm2)
-  run = tmp_path / "run"
-  convs = tmp_path / "convs.jsonl"
-  convs.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
-      {"from": "human", "value": f"Name a colour, number {i}."}, {"from": "gpt", "value": "Red."}]})
-      + "\n" for i in range(6)))
-  run_config = {"target": {"path": None, "gguf_file": None, "dtype": "float32", "device": "cpu"},
-                "data": {"path": str(convs), "held_out": 2, "seed": 0, "max_conversations": None}}
-  run.mkdir()
-  (run / "config.json").write_text(json.dumps({"run_config": run_config}))
+  run = _run_dir_with_settings(tmp_path, "float32")
   monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: smollm2)
   assert evaluate.main(["--run-dir", str(run), "--export", "--num-prompts", "1"]) == 2
   assert "has no export/ drafter" in capsys.readouterr().err
