@@ -121,6 +121,128 @@ class TargetDecoder:
                           "speculative decoding needs a croppable cache") from None
 
 
+class StaticTargetDecoder(TargetDecoder):
+  """TargetDecoder over a preallocated `StaticCache` of `max_len` positions; on CUDA each verify
+  length (the block, and 1 for target-only decoding) is captured once as a CUDA graph and replayed.
+
+  An eager forward of a small target is mostly Python and kernel launches (~44 ms per verify
+  step for SmolLM2-135M on an H200); a replay launches the same kernels at once. Positions and
+  the 4-D mask (key j visible to the query at position p iff j <= p) come from a static position
+  buffer, so cached positions past the accepted length (left by `crop`) are never seen and are
+  overwritten by the next verify step. Prefill runs eagerly (its length varies).
+  Full-attention targets only (bridge.generation.supports_static_decoding)."""
+
+  def __init__(self, target: Target, layer_ids: Sequence[int] = (), *, max_len: int,
+               cuda_graph: bool | None = None):
+    super().__init__(target, layer_ids)
+    from transformers import StaticCache
+    from bridge.generation import supports_static_decoding
+    if not supports_static_decoding(target.model):
+      raise TargetError(f"{target.name}: a static KV cache needs full-attention layers only; "
+                        "decode it with TargetDecoder")
+    self.max_len = -(-max_len // 64) * 64          # a multiple of 64: aligned SDPA masks
+    self.cache = StaticCache(config=target.model.config, max_cache_len=self.max_len)
+    self._len = 0
+    params = inspect.signature(target.model.forward).parameters
+    # transformers before 5.2x writes a static cache at an explicit `cache_position`; later ones
+    # track the length in the cache (on the device) and crop it there.
+    self._explicit_positions = "cache_position" in params
+    on_cuda = target.device.type == "cuda"
+    self.cuda_graph = on_cuda if cuda_graph is None else (cuda_graph and on_cuda)
+    self._graphs: dict[tuple, dict] = {}
+    self._keys = torch.arange(self.max_len, device=target.device)
+
+  @property
+  def length(self) -> int:
+    return self._len
+
+  def _call(self, ids_t, pos, *, capture: bool, last_only: bool):
+    """One forward at positions `pos` ([1, n]) appended to the cache. -> (raw logits, captured)."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(index):
+      def fn(module, args, output):
+        captured[index] = output[0] if isinstance(output, tuple) else output
+      return fn
+
+    layers = self.target.layers
+    handles = ([layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.layer_ids))]
+               if capture else [])
+    mask = self._keys[None, None, None, :] <= pos[:, None, :, None]      # [1, 1, n, max_len]
+    kw = {self._cache_kw: self.cache, "attention_mask": mask}
+    if self._explicit_positions:
+      kw["cache_position"] = pos[0]
+    if self._keep_kw:
+      kw["logits_to_keep"] = 1 if last_only else 0
+    try:
+      out = self.target.model(input_ids=ids_t, position_ids=pos, use_cache=True, **kw)
+    finally:
+      for h in handles:
+        h.remove()
+    return out.logits, captured
+
+  def _graphed(self, ids_t, pos, *, capture: bool, last_only: bool):
+    """The same forward through the CUDA graph of its (length, capture, last_only); the first
+    call per key runs eagerly on a side stream (its result is this call's), then captures."""
+    key = (ids_t.shape[1], capture, last_only)
+    g = self._graphs.get(key)
+    if g is not None:
+      g["ids"].copy_(ids_t)
+      g["pos"].copy_(pos)
+      g["graph"].replay()
+      return g["logits"], g["captured"]
+    dev = self.target.device
+    g = {"ids": ids_t.clone(), "pos": pos.clone()}
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+      logits, captured = self._call(g["ids"], g["pos"], capture=capture, last_only=last_only)
+      logits = logits.clone()
+      captured = {i: t.clone() for i, t in captured.items()}
+    torch.cuda.current_stream(dev).wait_stream(side)
+    # The capture runs nothing: the cache (and a length it tracks on the device) stays as the
+    # eager run left it, this step done; replays read and advance them on the device.
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: JAX shares the process (see bridge.generation's capture).
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+      g["logits"], g["captured"] = self._call(g["ids"], g["pos"], capture=capture,
+                                              last_only=last_only)
+    g["graph"] = graph
+    self._graphs[key] = g
+    return logits, captured
+
+  @torch.inference_mode()
+  def _forward(self, ids: Sequence[int], *, capture: bool, last_only: bool, graph: bool = True):
+    n, start = len(ids), self._len
+    if start + n > self.max_len:
+      raise ValueError(f"the static KV cache holds {self.max_len} positions: {start} cached + "
+                       f"{n} new exceed it (raise max_len)")
+    dev = self.target.device
+    ids_t = torch.as_tensor([list(ids)], device=dev, dtype=torch.long)
+    pos = torch.arange(start, start + n, device=dev)[None]
+    run = self._graphed if (graph and self.cuda_graph) else self._call
+    logits, captured = run(ids_t, pos, capture=capture, last_only=last_only)
+    self._len = start + n
+    logits = logits[0, -1:].float() if last_only else logits[0].float()
+    feats = None
+    if capture and self.layer_ids:  # fresh and contiguous: handed to JAX through DLPack
+      feats = torch.cat([captured[i][0] for i in self.layer_ids], dim=-1).contiguous()
+    return logits, feats
+
+  def prefill(self, prompt_ids: Sequence[int], *, capture: bool = True):
+    self.crop(0)
+    logits, feats = self._forward(prompt_ids, capture=capture, last_only=True, graph=False)
+    return logits[-1], feats
+
+  def crop(self, length: int) -> None:
+    remove = self._len - length
+    if remove < 0:
+      raise ValueError(f"cannot crop the target cache of {self._len} positions to {length=}")
+    if remove and not self._explicit_positions:
+      self.cache.crop(-remove)
+    self._len = length
+
+
 def sample(logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
   if temperature <= 0:
     return int(torch.argmax(logits_V))

@@ -163,3 +163,67 @@ def test_finish_cuts_at_eos_and_max():
   assert spec_decode._finish([4, 5, 2, 7], 10, {2}) == ([4, 5, 2], True)
   assert spec_decode._finish([4, 5, 6, 7], 3, {2}) == ([4, 5, 6], True)
   assert spec_decode._finish([4, 5], 3, {2}) == ([4, 5], False)
+
+
+# ---- the static-cache decoder ----
+
+class _CorruptedOracle:
+  """Drafts the target's own greedy continuation `ref`, every third draft with a wrong token at
+  draft position 1: verify steps accept 1, or the whole block, so crop runs at both ends."""
+
+  def __init__(self, ref, block_size):
+    self.ref, self.K, self.calls = ref, block_size, 0
+
+  def start(self, feats):
+    self.T = self.ctx = feats.shape[0]
+
+  def extend(self, feats, count):
+    assert feats.shape[0] >= count
+    self.ctx += count
+
+  def propose(self, last, temperature):
+    i = self.ctx - self.T          # the new-token index of `last`
+    draft = [self.ref[j] if j < len(self.ref) else 0 for j in range(i + 1, i + self.K)]
+    self.calls += 1
+    if self.calls % 3 == 0:
+      draft[1] = (draft[1] + 1) % VOCAB
+    return draft, None
+
+
+def test_static_decoder_equals_the_dynamic_one(tiny_llama):
+  """Same logits and captured features as TargetDecoder through prefill, verify and crop (f32,
+  CPU: eager, no graph), and the same speculative decoding, token for token and step for step."""
+  target = Target(tiny_llama, _Tokenizer(), "tiny")
+  dyn = spec_decode.TargetDecoder(target, (0, 1))
+  sta = spec_decode.StaticTargetDecoder(target, (0, 1), max_len=40)
+  assert sta.max_len == 64 and not sta.cuda_graph
+  for a, b in zip(dyn.prefill(PROMPT), sta.prefill(PROMPT)):
+    torch.testing.assert_close(b, a)
+  for block, keep in (([7, 8, 9, 10], 8), ([11, 12, 13, 14], 12), ([1, 2, 3, 4], 9)):
+    for a, b in zip(dyn.verify(block), sta.verify(block)):
+      torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    dyn.crop(keep)
+    sta.crop(keep)
+    assert sta.length == dyn.length == keep
+  # A second prompt on the same static cache: the first one's positions are never seen.
+  for a, b in zip(dyn.prefill(PROMPT[:3]), sta.prefill(PROMPT[:3])):
+    torch.testing.assert_close(b, a)
+  ref = _greedy(tiny_llama, PROMPT, 24)
+  runs = []
+  for dec in (dyn, sta):
+    runs.append(spec_decode.speculative_generate(dec, _CorruptedOracle(ref, 4), PROMPT,
+                                                 max_new_tokens=24, block_size=4))
+  assert runs[0].tokens == runs[1].tokens == ref
+  assert runs[0].accepted == runs[1].accepted and {1, 3} <= set(runs[1].accepted)
+  assert spec_decode.target_generate(sta, PROMPT, max_new_tokens=24).tokens == ref
+
+
+def test_static_decoder_bounds(tiny_llama):
+  target = Target(tiny_llama, _Tokenizer(), "tiny")
+  sta = spec_decode.StaticTargetDecoder(target, max_len=10)   # rounded up to 64 positions
+  sta.prefill(list(range(1, 60)))
+  sta.verify([1, 2, 3, 4, 5])
+  with pytest.raises(ValueError, match="holds 64 positions: 64 cached \\+ 1 new"):
+    sta.verify([6])
+  with pytest.raises(ValueError, match="cannot crop"):
+    sta.crop(65)
