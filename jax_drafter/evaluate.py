@@ -183,7 +183,8 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                  max_new_tokens: int, block_size: int | None = None, temperature: float = 0.0,
                  seed: int = 0, progress: bool = True, proposer=None,
                  frozen: dict | None = None, reference_cache: dict | None = None,
-                 reference: str = "batched", speed_prompts: int = 4) -> dict:
+                 reference: str = "batched", speed_prompts: int = 4,
+                 static_decoder: bool = False) -> dict:
   """Speculative decoding of every prompt (list of messages ending with a user turn, or token ids)
   plus the target alone on the same prompts. -> report dict (see `summarize`).
 
@@ -198,6 +199,8 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
   the first `speed_prompts` prompts as "decode" (timed: the baseline tokens/s), all others in
   length-sorted batches by bridge.generation (seconds instead of minutes; untimed). Sampling
   (temperature > 0) always decodes.
+  `static_decoder`: the target decodes over a preallocated KV cache, each verify length replayed
+  as a CUDA graph on a GPU (spec_decode.StaticTargetDecoder); the same tokens, fewer launches.
   """
   if reference not in ("batched", "decode"):
     raise EvaluationError(f"reference={reference!r} must be 'batched' or 'decode'")
@@ -220,7 +223,11 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                             f"and block size {K} it needs {len(p) + max_new_tokens + K} positions, "
                             f"more than the target's context of {limit}; shorten it or lower "
                             "--max-new-tokens")
-  decoder = spec_decode.TargetDecoder(target, cfg.target_layer_ids)
+  if static_decoder:   # every position a verify step can reach: prompt + new tokens + a block
+    decoder = spec_decode.StaticTargetDecoder(target, cfg.target_layer_ids,
+                                              max_len=max(map(len, ids)) + max_new_tokens + K)
+  else:
+    decoder = spec_decode.TargetDecoder(target, cfg.target_layer_ids)
   eos = spec_decode.eos_token_ids(target)
   keep = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
   if proposer is None:
@@ -428,6 +435,10 @@ def _parse(argv):
                       "--speed-prompts prompts are decoded one token at a time for the tokens/s "
                       "baseline) or decode (every prompt one token at a time)")
   p.add_argument("--speed-prompts", type=int, default=4)
+  p.add_argument("--static-decoder", action="store_true",
+                 help="the target's KV cache preallocated (a transformers StaticCache) and, on a "
+                      "GPU, each verify step replayed as a CUDA graph: the same tokens with less "
+                      "Python and launch overhead per step (full-attention targets)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", help="write the report here")
   args = p.parse_args(argv)
@@ -510,7 +521,8 @@ def main(argv=None) -> int:
     report = evaluate_tau(target, cfg, graphdef, params, prompts,
                           max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                           temperature=args.temperature, seed=args.seed,
-                          reference=args.reference, speed_prompts=args.speed_prompts)
+                          reference=args.reference, speed_prompts=args.speed_prompts,
+                          static_decoder=args.static_decoder)
   except (EvaluationError, ConfigError, TargetError, data_lib.DataError, FileNotFoundError,
           ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -48,6 +48,12 @@ def test_lossless_untrained_drafter(tiny_target):
   assert report["num_prompts"] == 3 and report["verify_steps"] > 0
   for p, row in zip(TINY_PROMPTS, report["per_prompt"]):
     assert row["new_tokens"] == 16 and row["target_new_tokens"] == 16
+  # The static-cache decoder: the same verify steps, prompt by prompt, and lossless.
+  static = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS,
+                                 max_new_tokens=16, progress=False, static_decoder=True)
+  assert static["lossless"]["passed"] is True
+  assert ([r["accepted"] for r in static["per_prompt"]]
+          == [r["accepted"] for r in report["per_prompt"]])
   # The speculative output itself, against decoding that shares no code with the loop.
   ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[1])
   session = DrafterSession(cfg, graphdef, params, jnp.asarray(tiny_target.embedding.numpy()),
@@ -314,6 +320,12 @@ def test_untrained_drafter_tau_close_to_one_on_smollm2(smollm2):
   assert 1.0 <= report["tau"] < 1.3, report["accept_length_histogram"]
   assert report["tokens_per_second"]["speculative"] > 0
   assert report["tokens_per_second"]["target_only"] > 0
+  # The real GGUF target over a static KV cache: the same verify steps.
+  static = evaluate.evaluate_tau(smollm2, cfg, graphdef, params, SMOL_PROMPTS,
+                                 max_new_tokens=8, progress=False, static_decoder=True)
+  assert static["lossless"]["passed"] is True
+  assert ([r["accepted"] for r in static["per_prompt"]]
+          == [r["accepted"] for r in report["per_prompt"]])
 
 
 def test_cli_end_to_end(smollm2, tmp_path, monkeypatch):
