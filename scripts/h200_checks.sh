@@ -15,6 +15,7 @@
 #                                               # 27B drafter's step on one GPU (issue #14)
 #   bash scripts/h200_checks.sh target-attention   # packed rows: flex block mask vs dense SDPA
 #   bash scripts/h200_checks.sh generation      # regeneration's decoder: GPU tests + tokens/s
+#   bash scripts/h200_checks.sh spec-decode     # evaluation's static-cache decoder: GPU tests + step time
 #   bash scripts/h200_checks.sh layouts-1gpu    # issue #13's one-GPU figures: target bound + shared
 #   bash scripts/h200_checks.sh learn-parity-recipe   # after a recipe pipeline, on its files
 #   bash scripts/h200_checks.sh cublas          # 27b-8k JAX step + 8192^3 matmul, cuBLAS vs Triton GEMM
@@ -105,6 +106,10 @@ part_cmds() {
       PYTHONPATH=/tmp/site:. run timeout 500 python3 scripts/target_memory_check.py \
           --random qwen3.6-27b --shapes 1x8192,4x2048,67x122 --docs 4 \
           --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
+    spec-decode)  # evaluation's target decoder: the static-cache decoder's GPU tests (CUDA-graph
+                  # verify steps == eager ones), then one verify step's time per decoder
+      run timeout 200 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/bridge/test_spec_decode_gpu.py
+      run timeout 240 python3 scripts/bench_verify.py --json "$OUT/bench-verify.json" ;;
     generation)   # regeneration's decoder: its GPU tests (graph == eager, concurrent batches on
                   # their own streams, compiled), then tokens/s at the recipe's shapes, 1 and 2
                   # batches at once, eager transformers and torch.compile'd
