@@ -62,13 +62,9 @@ class TargetDecoder:
   def length(self) -> int:
     return 0 if self.cache is None else int(self.cache.get_seq_length())
 
-  @torch.inference_mode()
-  def _forward(self, ids: Sequence[int], *, capture: bool, last_only: bool):
-    """-> (logits f32 [T or 1, V], features [T, F] or None) of `ids` appended to the cache."""
-    dev = self.target.device
-    start = self.length
-    ids_t = torch.as_tensor([list(ids)], device=dev, dtype=torch.long)
-    pos = torch.arange(start, start + len(ids), device=dev)[None]
+  def _run(self, capture: bool, last_only: bool, **inputs):
+    """The target's forward over self.cache -> (its output, {layer id: that layer's output} for
+    the captured layers when `capture`)."""
     captured: dict[int, torch.Tensor] = {}
 
     def hook(index):
@@ -79,15 +75,25 @@ class TargetDecoder:
     layers = self.target.layers
     handles = ([layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.layer_ids))]
                if capture else [])
+    kw = {self._cache_kw: self.cache}
+    if self._keep_kw:
+      kw["logits_to_keep"] = 1 if last_only else 0  # 0 = all positions
     try:
-      # The DynamicCache is updated in place.
-      kw = {self._cache_kw: self.cache}
-      if self._keep_kw:
-        kw["logits_to_keep"] = 1 if last_only else 0  # 0 = all positions
-      out = self.target.model(input_ids=ids_t, position_ids=pos, use_cache=True, **kw)
+      out = self.target.model(use_cache=True, **kw, **inputs)
     finally:
       for h in handles:
         h.remove()
+    return out, captured
+
+  @torch.inference_mode()
+  def _forward(self, ids: Sequence[int], *, capture: bool, last_only: bool):
+    """-> (logits f32 [T or 1, V], features [T, F] or None) of `ids` appended to the cache."""
+    dev = self.target.device
+    start = self.length
+    ids_t = torch.as_tensor([list(ids)], device=dev, dtype=torch.long)
+    pos = torch.arange(start, start + len(ids), device=dev)[None]
+    # The DynamicCache is updated in place.
+    out, captured = self._run(capture, last_only, input_ids=ids_t, position_ids=pos)
     logits = out.logits[0, -1:].float() if last_only else out.logits[0].float()
     feats = None
     if capture:
@@ -125,8 +131,9 @@ class StaticTargetDecoder(TargetDecoder):
   """TargetDecoder over a preallocated `StaticCache` of `max_len` positions; on CUDA each verify
   length (the block, and 1 for target-only decoding) is captured once as a CUDA graph and replayed.
 
-  An eager forward of a small target is mostly Python and kernel launches (~44 ms per verify
-  step for SmolLM2-135M on an H200); a replay launches the same kernels at once. Positions and
+  An eager forward of a small target is mostly Python and kernel launches (SmolLM2-135M decodes
+  ~22 tokens/s alone on an H200 that way, ~44 ms a forward); a replay launches the same kernels
+  at once. Positions and
   the 4-D mask (key j visible to the query at position p iff j <= p) come from a static position
   buffer, so cached positions past the accepted length (left by `crop`) are never seen and are
   overwritten by the next verify step. Prefill runs eagerly (its length varies).
@@ -158,27 +165,10 @@ class StaticTargetDecoder(TargetDecoder):
 
   def _call(self, ids_t, pos, *, capture: bool, last_only: bool):
     """One forward at positions `pos` ([1, n]) appended to the cache. -> (raw logits, captured)."""
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook(index):
-      def fn(module, args, output):
-        captured[index] = output[0] if isinstance(output, tuple) else output
-      return fn
-
-    layers = self.target.layers
-    handles = ([layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.layer_ids))]
-               if capture else [])
     mask = self._keys[None, None, None, :] <= pos[:, None, :, None]      # [1, 1, n, max_len]
-    kw = {self._cache_kw: self.cache, "attention_mask": mask}
-    if self._explicit_positions:
-      kw["cache_position"] = pos[0]
-    if self._keep_kw:
-      kw["logits_to_keep"] = 1 if last_only else 0
-    try:
-      out = self.target.model(input_ids=ids_t, position_ids=pos, use_cache=True, **kw)
-    finally:
-      for h in handles:
-        h.remove()
+    kw = {"cache_position": pos[0]} if self._explicit_positions else {}
+    out, captured = self._run(capture, last_only, input_ids=ids_t, position_ids=pos,
+                              attention_mask=mask, **kw)
     return out.logits, captured
 
   def _graphed(self, ids_t, pos, *, capture: bool, last_only: bool):
