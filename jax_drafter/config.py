@@ -204,6 +204,8 @@ class TargetSection:
   trust_remote_code: bool = False
   feature_cache_gib: float = 0.0   # > 0: keep each packed row's target features in memory (on the
                                    # target's device) up to this size; for small data, many epochs
+  feature_cache_host_gib: float = 0.0  # > 0: rows beyond feature_cache_gib are kept in host memory
+                                       # (pinned) up to this size and copied back each step
   devices: tuple[str, ...] | None = None  # one target replica per device ("cuda:0", "cuda:1");
                                           # None = one replica on `device`
   memory_budget_gib: float | None = None  # what one target forward may hold on its device, weights
@@ -219,6 +221,9 @@ class TargetSection:
       raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES}")
     if self.feature_cache_gib < 0:
       raise ConfigError(f"target.feature_cache_gib={self.feature_cache_gib} must be >= 0 (0 = off)")
+    if self.feature_cache_host_gib < 0:
+      raise ConfigError(f"target.feature_cache_host_gib={self.feature_cache_host_gib} must be >= 0 "
+                        "(0 = off)")
     if self.devices is not None:
       if not self.devices:
         raise ConfigError("target.devices is empty: list at least one device, or leave it null")

@@ -160,9 +160,13 @@ class _Run:
                                  dtype=tc.dtype)
     else:
       self.replicas = [self.target] + inputs.load_replicas(cfg)
-      if gib > 0:
+      host_gib = cfg.target.feature_cache_host_gib
+      if gib > 0 or host_gib > 0:
         from bridge.target import FeatureCache
-        self.sources = [FeatureCache(r, gib * 2**30) for r in self.replicas]
+        # The host tier is one budget for the machine: split over the replicas.
+        self.sources = [FeatureCache(r, gib * 2**30,
+                                     host_bytes=host_gib * 2**30 / len(self.replicas))
+                        for r in self.replicas]
       else:
         self.sources = list(self.replicas)
 

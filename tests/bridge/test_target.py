@@ -173,6 +173,40 @@ def test_feature_cache_leaves_the_device_memory_it_was_not_given(tiny):
     torch.testing.assert_close(cache.stacked_features([m], [0, 2]), o)
 
 
+def test_feature_cache_host_tier_takes_the_rows_the_device_tier_cannot(tiny, monkeypatch):
+  """Rows past the device tier go to the host tier (until it is full or the machine's available
+  memory reaches the reserve); both tiers answer with the target's own features, the target runs
+  only the rows in neither, and the counters say which tier answered."""
+  import numpy as np
+  from bridge.target import FeatureCache
+  rng = np.random.default_rng(2)
+  rows = [{"input_ids": rng.integers(0, 1000, (1, 9)).astype(np.int32),
+           "position_ids": np.arange(9, dtype=np.int32)[None],
+           "doc_id": np.zeros((1, 9), np.int32)} for _ in range(5)]
+  ref = [tiny.stacked_features([m], [0, 2]) for m in rows]
+  row_bytes = ref[0][0, 0].nbytes
+  calls = []
+  real = tiny.features
+  monkeypatch.setattr(tiny, "features", lambda *a: (calls.append(len(a[0])), real(*a))[1])
+  cache = FeatureCache(tiny, max_bytes=1 * row_bytes, host_bytes=3 * row_bytes,
+                       host_free_memory=lambda: (1000 * row_bytes, 1000 * row_bytes))
+  for epoch in range(2):
+    for m, r in zip(rows, ref):
+      torch.testing.assert_close(cache.stacked_features([m], [0, 2]), r, rtol=1e-5, atol=1e-6)
+  assert len(cache.rows) == 1 and len(cache.host_rows) == 3 and cache.full and cache.host_full
+  assert cache.bytes == row_bytes and cache.host_bytes == 3 * row_bytes
+  assert calls == [1] * 5 + [1]               # epoch 2 runs the target for the fifth row only
+  assert (cache.hits, cache.host_hits, cache.misses) == (4, 3, 6)
+  assert all(not t.is_pinned() for t in cache.host_rows.values())   # a CPU target: no pinning
+  # The machine's available memory at the reserve: the host tier stops below its own limit.
+  # 10% of 1000 rows' worth stays available; the machine has 101 rows' worth, less what it keeps.
+  low = FeatureCache(tiny, max_bytes=0, host_bytes=10 * row_bytes)
+  low.host_free_memory = lambda: (101 * row_bytes - low.host_bytes, 1000 * row_bytes)
+  for m, r in zip(rows, ref):
+    torch.testing.assert_close(low.stacked_features([m], [0, 2]), r, rtol=1e-5, atol=1e-6)
+  assert len(low.host_rows) == 1 and low.host_full and not low.rows
+
+
 def test_config_numbers_read_through_float32_are_written_as_decimals():
   import numpy as np
   from bridge.target import _decimal

@@ -49,6 +49,12 @@ def test_unknown_compute_dtype_is_a_config_error():
     build_config({"train": {"compute_dtype": "float16"}})
 
 
+def test_negative_feature_cache_sizes_are_config_errors():
+  for key in ("feature_cache_gib", "feature_cache_host_gib"):
+    with pytest.raises(ConfigError, match=f"target.{key}=-1 must be >= 0"):
+      build_config({"target": {key: -1}})
+
+
 _CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 

@@ -219,10 +219,15 @@ def test_feature_cache_trains_like_the_live_target(tiny_target_dir, sharegpt_sam
   summary = trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, cached, *few,
                                           "target.feature_cache_gib=0.5"))
   assert summary["data_stats"]["rows"] < 4 * 2
-  a, b = run_losses(live), run_losses(cached)
-  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  # The host tier alone (no device tier): the same steps again.
+  host = str(tmp_path / "host")
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, host, *few,
+                                "target.feature_cache_host_gib=0.5"))
+  a, b, c = run_losses(live), run_losses(cached), run_losses(host)
+  assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3, 4]
   for s in a:
     assert b[s] == pytest.approx(a[s], rel=1e-5), s
+    assert c[s] == pytest.approx(a[s], rel=1e-5), s
 
 
 def test_validation_rows_are_never_trained_on_and_give_the_same_curve_on_resume(
