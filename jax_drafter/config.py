@@ -280,6 +280,10 @@ class DataSection:
   # the same prompts; validation conversations keep the first answer only.
   regenerate_samples: int = 1
   regenerate_sample_temperature: float = 0.8
+  # Assistant turns the sampled answers regenerate per conversation (null: as
+  # regenerate_max_turns). 1: extra answers to the first turns only, whose short prompts decode
+  # far faster than the long contexts of later turns.
+  regenerate_sample_max_turns: int | None = None
   regenerate_batch_rows: int = 256          # sequences decoded at once
   regenerate_batch_tokens: int = 524288     # rows x (longest prompt + max_new_tokens) per batch
   # Batches decoded at once, each by its own thread on its own CUDA streams (one's prefill and
@@ -312,6 +316,9 @@ class DataSection:
     if self.regenerate_samples < 1:
       raise ConfigError(f"data.regenerate_samples={self.regenerate_samples} must be >= 1 (answers "
                         "per training conversation)")
+    if self.regenerate_sample_max_turns is not None and self.regenerate_sample_max_turns < 1:
+      raise ConfigError(f"data.regenerate_sample_max_turns={self.regenerate_sample_max_turns} must "
+                        "be >= 1 (or null for the turns of data.regenerate_max_turns)")
     if self.regenerate_samples > 1 and self.regenerate_sample_temperature <= 0:
       raise ConfigError(f"data.regenerate_sample_temperature={self.regenerate_sample_temperature} "
                         "must be > 0: the extra answers of data.regenerate_samples are sampled (at "

@@ -628,4 +628,7 @@ def feature_cache_settings(cfg, layer_ids) -> dict:
          else {}),
       "data.regenerate_sample_temperature": (d.regenerate_sample_temperature
                                              if regen and d.regenerate_samples > 1 else None),
+      **({"data.regenerate_sample_max_turns": d.regenerate_sample_max_turns}
+         if regen and d.regenerate_samples > 1 and d.regenerate_sample_max_turns is not None
+         else {}),
   }

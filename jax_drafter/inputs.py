@@ -49,8 +49,11 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
       seed=d.seed, max_prompt_tokens=min(d.seq_len, target.info.max_position_embeddings
                                          - d.regenerate_max_new_tokens),
       max_turns=d.regenerate_max_turns, close_cut_turns=d.regenerate_close_cut_turns)
+  sampled_turns = (d.regenerate_sample_max_turns if d.regenerate_sample_max_turns is not None
+                   else d.regenerate_max_turns)
   samples = [base] + [dataclasses.replace(base, temperature=d.regenerate_sample_temperature,
-                                          seed=d.seed + i) for i in range(1, d.regenerate_samples)]
+                                          seed=d.seed + i, max_turns=sampled_turns)
+                      for i in range(1, d.regenerate_samples)]
   # Validation answers are what held-out evaluation decodes: the first answer of a conversation.
   first = dataclasses.replace(base, max_turns=1, close_cut_turns=False)
   path = d.regenerate_path(cfg.train.output_dir)

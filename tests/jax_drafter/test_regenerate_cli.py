@@ -2,8 +2,10 @@
 
 import json
 
+import pytest
+
 from jax_drafter import regenerate as regen_cli
-from jax_drafter.config import load_config
+from jax_drafter.config import ConfigError, load_config
 from jax_drafter.data import load_conversations, split_held_out
 
 
@@ -69,6 +71,26 @@ def test_several_answers_per_conversation(tiny_target_dir, sharegpt_sample, tmp_
   assert regen_cli.main(common + ["data.regenerate_samples=2", "--quiet", "--out", str(two),
                                   "--json", str(again)]) == 0
   assert json.load(open(again))["generated_tokens"] == 0
+
+
+def test_sampled_answers_of_the_first_turns_only(tiny_target_dir, sharegpt_sample, tmp_path):
+  """data.regenerate_sample_max_turns=1 with every turn regenerated: the greedy records keep every
+  assistant turn, the sampled ones hold the first assistant turn only."""
+  common = ["--config", "/dev/null", f"target.path={tiny_target_dir}", f"data.path={sharegpt_sample}",
+            "data.max_conversations=8", "data.held_out=2", "data.seq_len=512",
+            "data.regenerate_max_new_tokens=4", "data.regenerate_close_cut_turns=true",
+            "data.regenerate_samples=2", "data.regenerate_sample_max_turns=1", "--quiet"]
+  out = tmp_path / "r.jsonl"
+  assert regen_cli.main(common + ["--out", str(out)]) == 0
+  records = [json.loads(line) for line in open(out)]
+  half = len(records) // 2
+  greedy, sampled = records[:half], records[half:]
+  assert len(greedy) == len(sampled) > 0
+  turns = lambda r: len(r["assistant_spans"])
+  assert all(turns(r) == 1 for r in sampled)
+  assert any(turns(r) > 1 for r in greedy)      # the sample data has multi-turn conversations
+  with pytest.raises(ConfigError, match="regenerate_sample_max_turns=0 must be >= 1"):
+    load_config(None, ["data.regenerate_sample_max_turns=0"])
 
 
 def test_sampled_answers_need_a_temperature():
