@@ -133,6 +133,29 @@ def _folded_attention(model):
     model.set_attn_implementation(previous)
 
 
+def capture_graph(fn, device, streams: tuple | None = None):
+  """fn() run once eagerly on a side stream (its warm-up: the result of this call), then recorded
+  as a CUDA graph. -> (the eager result, the graph, the graph's outputs, which each replay
+  rewrites). fn must read its inputs from tensors that replays refill in place.
+  streams: (warm-up stream, capture stream), else a fresh side stream and torch's default.
+  One capture at a time in the process (_CAPTURE_LOCK)."""
+  side, capture = streams or (torch.cuda.Stream(device), None)
+  with _CAPTURE_LOCK:
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+      eager = fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: JAX shares the process (its threads poll events, copy, launch), and so may
+    # other decoding workers. In the default "global" mode any such call from another thread
+    # during the capture invalidates it and puts JAX's stream in an error state (seen at the end
+    # of a training run on the H200: the in-run evaluation's capture failed and JAX died with
+    # "Callback registry is closed").
+    with torch.cuda.graph(graph, stream=capture, capture_error_mode="thread_local"):
+      out = fn()
+  return eager, graph, out
+
+
 class _Batch:
   """Decode state of one batch: the static cache, the key-validity mask, the rows still alive."""
 
@@ -195,25 +218,12 @@ class _Batch:
     return self.static_logits
 
   def _capture(self, tokens, pos):
-    """Run this step eagerly on a side stream (it also warms up), then record the step as a graph
-    whose replays read the static inputs and the in-place-updated mask `valid`."""
+    """Run this step eagerly (it also warms up), then record it as a graph whose replays read
+    the static inputs and the in-place-updated mask `valid`."""
     self.static_ids, self.static_pos = tokens[:, None].clone(), pos.clone()
     mask = self.valid[:, None, None, :]
-    side, capture = self.streams or (torch.cuda.Stream(self.dev), None)
-    with _CAPTURE_LOCK:
-      side.wait_stream(torch.cuda.current_stream(self.dev))
-      with torch.cuda.stream(side):
-        logits = self._forward(self.static_ids, self.static_pos, mask)
-      torch.cuda.current_stream(self.dev).wait_stream(side)
-      graph = torch.cuda.CUDAGraph()
-      # thread_local: JAX shares the process (its threads poll events, copy, launch), and so may
-      # other decoding workers. In the default "global" mode any such call from another thread
-      # during the capture invalidates it and puts JAX's stream in an error state (seen at the end
-      # of a training run on the H200: the in-run evaluation's capture failed and JAX died with
-      # "Callback registry is closed").
-      with torch.cuda.graph(graph, stream=capture, capture_error_mode="thread_local"):
-        self.static_logits = self._forward(self.static_ids, self.static_pos, mask)
-    self.graph = graph
+    logits, self.graph, self.static_logits = capture_graph(
+        lambda: self._forward(self.static_ids, self.static_pos, mask), self.dev, self.streams)
     return logits
 
   def keep(self, alive: torch.Tensor) -> None:

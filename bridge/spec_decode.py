@@ -85,18 +85,24 @@ class TargetDecoder:
         h.remove()
     return out, captured
 
+  def _step(self, ids_t, pos, *, capture: bool, last_only: bool, graph: bool):
+    """One forward of ids_t ([1, n]) at positions pos appended to the cache (the DynamicCache is
+    updated in place). -> (raw logits, captured layer outputs)."""
+    out, captured = self._run(capture, last_only, input_ids=ids_t, position_ids=pos)
+    return out.logits, captured
+
   @torch.inference_mode()
-  def _forward(self, ids: Sequence[int], *, capture: bool, last_only: bool):
-    """-> (logits f32 [T or 1, V], features [T, F] or None) of `ids` appended to the cache."""
+  def _forward(self, ids: Sequence[int], *, capture: bool, last_only: bool, graph: bool = True):
+    """-> (logits f32 [T or 1, V], features [T, F] or None) of `ids` appended to the cache.
+    graph: a decoder that replays CUDA graphs may replay this step (prefill passes False)."""
     dev = self.target.device
     start = self.length
     ids_t = torch.as_tensor([list(ids)], device=dev, dtype=torch.long)
     pos = torch.arange(start, start + len(ids), device=dev)[None]
-    # The DynamicCache is updated in place.
-    out, captured = self._run(capture, last_only, input_ids=ids_t, position_ids=pos)
-    logits = out.logits[0, -1:].float() if last_only else out.logits[0].float()
+    logits, captured = self._step(ids_t, pos, capture=capture, last_only=last_only, graph=graph)
+    logits = logits[0, -1:].float() if last_only else logits[0].float()
     feats = None
-    if capture:
+    if capture and self.layer_ids:
       # A fresh contiguous tensor: it is handed to JAX through DLPack and never written again.
       feats = torch.cat([captured[i][0] for i in self.layer_ids], dim=-1).contiguous()
     return logits, feats
@@ -133,10 +139,10 @@ class StaticTargetDecoder(TargetDecoder):
 
   An eager forward of a small target is mostly Python and kernel launches (SmolLM2-135M decodes
   ~22 tokens/s alone on an H200 that way, ~44 ms a forward); a replay launches the same kernels
-  at once. Positions and
-  the 4-D mask (key j visible to the query at position p iff j <= p) come from a static position
-  buffer, so cached positions past the accepted length (left by `crop`) are never seen and are
-  overwritten by the next verify step. Prefill runs eagerly (its length varies).
+  at once. Positions and the 4-D mask (key j visible to the query at position p iff j <= p) come
+  from a static position buffer, so cached positions past the accepted length (left by `crop`)
+  are never seen and are overwritten by the next verify step. Prefill runs eagerly (its length
+  varies).
   Full-attention targets only (bridge.generation.supports_static_decoding)."""
 
   def __init__(self, target: Target, layer_ids: Sequence[int] = (), *, max_len: int,
@@ -150,22 +156,21 @@ class StaticTargetDecoder(TargetDecoder):
     self.max_len = -(-max_len // 64) * 64          # a multiple of 64: aligned SDPA masks
     self.cache = StaticCache(config=target.model.config, max_cache_len=self.max_len)
     self._len = 0
-    params = inspect.signature(target.model.forward).parameters
-    # transformers before 5.2x writes a static cache at an explicit `cache_position`; later ones
-    # track the length in the cache (on the device) and crop it there.
-    self._explicit_positions = "cache_position" in params
+    # Versions of transformers whose forward takes `cache_position` write a static cache there;
+    # later ones track its length in the cache (on the device) and crop it there.
+    self._explicit_positions = "cache_position" in inspect.signature(target.model.forward).parameters
     on_cuda = target.device.type == "cuda"
     self.cuda_graph = on_cuda if cuda_graph is None else (cuda_graph and on_cuda)
     self._graphs: dict[tuple, dict] = {}
-    self._keys = torch.arange(self.max_len, device=target.device)
+    self._key_pos = torch.arange(self.max_len, device=target.device)
 
   @property
   def length(self) -> int:
     return self._len
 
   def _call(self, ids_t, pos, *, capture: bool, last_only: bool):
-    """One forward at positions `pos` ([1, n]) appended to the cache. -> (raw logits, captured)."""
-    mask = self._keys[None, None, None, :] <= pos[:, None, :, None]      # [1, 1, n, max_len]
+    """The eager forward at positions `pos` ([1, n]). -> (raw logits, captured)."""
+    mask = self._key_pos[None, None, None, :] <= pos[:, None, :, None]   # [1, 1, n, max_len]
     kw = {"cache_position": pos[0]} if self._explicit_positions else {}
     out, captured = self._run(capture, last_only, input_ids=ids_t, position_ids=pos,
                               attention_mask=mask, **kw)
@@ -173,51 +178,33 @@ class StaticTargetDecoder(TargetDecoder):
 
   def _graphed(self, ids_t, pos, *, capture: bool, last_only: bool):
     """The same forward through the CUDA graph of its (length, capture, last_only); the first
-    call per key runs eagerly on a side stream (its result is this call's), then captures."""
+    call per key runs eagerly (its result is this call's), then captures. The capture runs
+    nothing: the cache (and a length it tracks on the device) stays as the eager run left it;
+    replays read and advance them on the device."""
+    from bridge.generation import capture_graph
     key = (ids_t.shape[1], capture, last_only)
     g = self._graphs.get(key)
-    if g is not None:
-      g["ids"].copy_(ids_t)
-      g["pos"].copy_(pos)
-      g["graph"].replay()
-      return g["logits"], g["captured"]
-    dev = self.target.device
-    g = {"ids": ids_t.clone(), "pos": pos.clone()}
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-      logits, captured = self._call(g["ids"], g["pos"], capture=capture, last_only=last_only)
-      logits = logits.clone()
-      captured = {i: t.clone() for i, t in captured.items()}
-    torch.cuda.current_stream(dev).wait_stream(side)
-    # The capture runs nothing: the cache (and a length it tracks on the device) stays as the
-    # eager run left it, this step done; replays read and advance them on the device.
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: JAX shares the process (see bridge.generation's capture).
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-      g["logits"], g["captured"] = self._call(g["ids"], g["pos"], capture=capture,
-                                              last_only=last_only)
-    g["graph"] = graph
-    self._graphs[key] = g
-    return logits, captured
+    if g is None:
+      g = {"ids": ids_t.clone(), "pos": pos.clone()}
+      result, g["graph"], g["out"] = capture_graph(
+          lambda: self._call(g["ids"], g["pos"], capture=capture, last_only=last_only),
+          self.target.device)
+      self._graphs[key] = g
+      return result
+    g["ids"].copy_(ids_t)
+    g["pos"].copy_(pos)
+    g["graph"].replay()
+    return g["out"]
 
-  @torch.inference_mode()
-  def _forward(self, ids: Sequence[int], *, capture: bool, last_only: bool, graph: bool = True):
-    n, start = len(ids), self._len
+  def _step(self, ids_t, pos, *, capture: bool, last_only: bool, graph: bool):
+    n, start = ids_t.shape[1], self._len
     if start + n > self.max_len:
       raise ValueError(f"the static KV cache holds {self.max_len} positions: {start} cached + "
                        f"{n} new exceed it (raise max_len)")
-    dev = self.target.device
-    ids_t = torch.as_tensor([list(ids)], device=dev, dtype=torch.long)
-    pos = torch.arange(start, start + n, device=dev)[None]
     run = self._graphed if (graph and self.cuda_graph) else self._call
-    logits, captured = run(ids_t, pos, capture=capture, last_only=last_only)
+    result = run(ids_t, pos, capture=capture, last_only=last_only)
     self._len = start + n
-    logits = logits[0, -1:].float() if last_only else logits[0].float()
-    feats = None
-    if capture and self.layer_ids:  # fresh and contiguous: handed to JAX through DLPack
-      feats = torch.cat([captured[i][0] for i in self.layer_ids], dim=-1).contiguous()
-    return logits, feats
+    return result
 
   def prefill(self, prompt_ids: Sequence[int], *, capture: bool = True):
     self.crop(0)
