@@ -113,3 +113,27 @@ ANCHORS = np.array([[0, 3, 20, 25, 40], [2, 5, 30, 0, 0]], np.int32)
 DOC_START = np.array([[0, 0, 20, 20, 20], [0, 0, 20, 0, 0]], np.int32)
 VALID = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
 N = ANCHORS.shape[1]
+
+
+class CorruptedOracle:
+  """A speculative-decoding proposer that drafts `ref`, the target's own greedy continuation,
+  with every third draft wrong at draft position 1: verify steps accept 1 or the whole block, so
+  a decoder's crop runs at both ends. Draft tokens past `ref` are 0; `vocab` bounds the wrong one."""
+
+  def __init__(self, ref, block_size, vocab):
+    self.ref, self.K, self.vocab, self.calls = ref, block_size, vocab, 0
+
+  def start(self, feats):
+    self.T = self.ctx = feats.shape[0]
+
+  def extend(self, feats, count):
+    assert feats.shape[0] >= count
+    self.ctx += count
+
+  def propose(self, last, temperature):
+    i = self.ctx - self.T          # the new-token index of `last`
+    draft = [self.ref[j] if j < len(self.ref) else 0 for j in range(i + 1, i + self.K)]
+    self.calls += 1
+    if self.calls % 3 == 0:
+      draft[1] = (draft[1] + 1) % self.vocab
+    return draft, None

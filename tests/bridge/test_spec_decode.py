@@ -17,7 +17,7 @@ from bridge import spec_decode
 from bridge.target import Target
 from jax_drafter import evaluate
 
-from tiny_fixtures import TINY_PROMPTS, greedy_reference, tiny_target
+from tiny_fixtures import TINY_PROMPTS, CorruptedOracle, greedy_reference, tiny_target
 
 VOCAB = 64
 
@@ -167,36 +167,44 @@ def test_finish_cuts_at_eos_and_max():
 
 # ---- the static-cache decoder ----
 
-class _CorruptedOracle:
-  """Drafts the target's own greedy continuation `ref`, every third draft with a wrong token at
-  draft position 1: verify steps accept 1, or the whole block, so crop runs at both ends."""
+class _ReplayGraph:
+  """A CPU stand-in for a CUDA graph: replay() runs the recorded forward again and writes its
+  results into the outputs the capture returned, as a replay rewrites a graph's outputs."""
 
-  def __init__(self, ref, block_size):
-    self.ref, self.K, self.calls = ref, block_size, 0
+  def __init__(self, fn, out):
+    self.fn, self.out, self.replays = fn, out, 0
 
-  def start(self, feats):
-    self.T = self.ctx = feats.shape[0]
-
-  def extend(self, feats, count):
-    assert feats.shape[0] >= count
-    self.ctx += count
-
-  def propose(self, last, temperature):
-    i = self.ctx - self.T          # the new-token index of `last`
-    draft = [self.ref[j] if j < len(self.ref) else 0 for j in range(i + 1, i + self.K)]
-    self.calls += 1
-    if self.calls % 3 == 0:
-      draft[1] = (draft[1] + 1) % VOCAB
-    return draft, None
+  def replay(self):
+    logits, captured = self.fn()
+    self.out[0].copy_(logits)
+    for i, t in captured.items():
+      self.out[1][i].copy_(t)
+    self.replays += 1
 
 
-def test_static_decoder_equals_the_dynamic_one(tiny_llama):
-  """Same logits and captured features as TargetDecoder through prefill, verify and crop (f32,
-  CPU: eager, no graph), and the same speculative decoding, token for token and step for step."""
+def _capture_on_cpu(fn, device, streams=None):
+  """bridge.generation.capture_graph without CUDA: the eager run, and a graph that runs nothing
+  until replayed (outputs: placeholders of the eager run's shapes)."""
+  eager = fn()
+  out = (torch.full_like(eager[0], float("nan")),
+         {i: torch.full_like(t, float("nan")) for i, t in eager[1].items()})
+  return eager, _ReplayGraph(fn, out), out
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_static_decoder_equals_the_dynamic_one(tiny_llama, graphed, monkeypatch):
+  """Same logits and captured features as TargetDecoder through prefill, verify and crop (f32),
+  and the same speculative decoding, token for token and step for step. graphed: the CUDA-graph
+  path's bookkeeping (one graph per verify length, static inputs refilled, outputs rewritten in
+  place) on the CPU, with a stand-in graph that replays the eager forward."""
+  from bridge import generation
   target = Target(tiny_llama, _Tokenizer(), "tiny")
   dyn = spec_decode.TargetDecoder(target, (0, 1))
   sta = spec_decode.StaticTargetDecoder(target, (0, 1), max_len=40)
-  assert sta.max_len == 64 and not sta.cuda_graph
+  assert sta.max_len == 64 and not sta.cuda_graph          # no CUDA here
+  if graphed:
+    monkeypatch.setattr(generation, "capture_graph", _capture_on_cpu)
+    sta.cuda_graph = True
   for a, b in zip(dyn.prefill(PROMPT), sta.prefill(PROMPT)):
     torch.testing.assert_close(b, a)
   for block, keep in (([7, 8, 9, 10], 8), ([11, 12, 13, 14], 12), ([1, 2, 3, 4], 9)):
@@ -211,11 +219,14 @@ def test_static_decoder_equals_the_dynamic_one(tiny_llama):
   ref = _greedy(tiny_llama, PROMPT, 24)
   runs = []
   for dec in (dyn, sta):
-    runs.append(spec_decode.speculative_generate(dec, _CorruptedOracle(ref, 4), PROMPT,
+    runs.append(spec_decode.speculative_generate(dec, CorruptedOracle(ref, 4, VOCAB), PROMPT,
                                                  max_new_tokens=24, block_size=4))
   assert runs[0].tokens == runs[1].tokens == ref
   assert runs[0].accepted == runs[1].accepted and {1, 3} <= set(runs[1].accepted)
   assert spec_decode.target_generate(sta, PROMPT, max_new_tokens=24).tokens == ref
+  if graphed:   # one graph per (length, capture, last_only), each replayed after its capture
+    assert set(sta._graphs) == {(4, True, False), (1, False, False)}
+    assert all(g["graph"].replays > 0 for g in sta._graphs.values())
 
 
 def test_static_decoder_bounds(tiny_llama):
