@@ -281,32 +281,24 @@ class FeatureCache:
     self.host_rows: dict[bytes, torch.Tensor] = {}
     self.host_bytes, self.host_hits, self.host_full = 0, 0, host_bytes <= 0
     self._pin = target.device.type == "cuda"
+    self._probe = self._host_probe = None     # (free, total) of each tier, read once per step
 
-  def _room(self, nbytes: int, taken: int) -> str | None:
-    """None if a row of nbytes may be kept on the device, else why not. taken: bytes kept since
-    the device's free memory was last read (the probe is read once per step)."""
-    if self.bytes + nbytes > self.max_bytes:
-      return f"full at {self.bytes / 2**30:.2f} GiB (raise target.feature_cache_gib)"
-    if self.free_memory is not None:
-      free, total = self._probe
+  def _room(self, nbytes: int, taken: int, *, host: bool = False) -> str | None:
+    """None if a row of nbytes may be kept in the device tier (host: the host tier), else why
+    not. taken: bytes that tier kept since its free memory was last read (once per step)."""
+    used, limit, probe = ((self.host_bytes, self.max_host_bytes, self._host_probe) if host
+                          else (self.bytes, self.max_bytes, self._probe))
+    if used + nbytes > limit:
+      setting = "target.feature_cache_host_gib" if host else "target.feature_cache_gib"
+      return f"full at {used / 2**30:.2f} GiB (raise {setting})"
+    if probe is not None:
+      free, total = probe
       free -= taken
       if free - nbytes < self.reserve * total:
-        return (f"stopped at {self.bytes / 2**30:.2f} GiB: the device has {free / 2**30:.1f} of "
-                f"{total / 2**30:.1f} GiB free, and {self.reserve:.0%} stays free for the drafter")
-    return None
-
-  def _host_room(self, nbytes: int, taken: int) -> str | None:
-    """The same for the host tier (its probe is read once per step too)."""
-    if self.host_bytes + nbytes > self.max_host_bytes:
-      return (f"full at {self.host_bytes / 2**30:.2f} GiB (raise "
-              "target.feature_cache_host_gib)")
-    if self._host_probe is not None:
-      free, total = self._host_probe
-      free -= taken
-      if free - nbytes < self.reserve * total:
-        return (f"stopped at {self.host_bytes / 2**30:.2f} GiB: the machine has "
-                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB available, and {self.reserve:.0%} "
-                "stays free")
+        where = ("the machine has {:.1f} of {:.1f} GiB available" if host
+                 else "the device has {:.1f} of {:.1f} GiB free")
+        return (f"stopped at {used / 2**30:.2f} GiB: {where.format(free / 2**30, total / 2**30)}, "
+                f"and {self.reserve:.0%} stays free" + ("" if host else " for the drafter"))
     return None
 
   @property
@@ -365,7 +357,7 @@ class FeatureCache:
                     "the rows not in it are computed every step")
       if self.host_full:
         break
-      why = self._host_room(nbytes, host_taken)
+      why = self._room(nbytes, host_taken, host=True)
       if why is None:
         h = torch.empty(f.shape, dtype=f.dtype, pin_memory=self._pin)
         h.copy_(f)
