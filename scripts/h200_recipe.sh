@@ -47,6 +47,12 @@ DONE=${DONE_FILE:-$D/DONE}
 COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf_file=$GGUF"
         "data.path=$D/sharegpt_user_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
+held_out_eval() {  # jax_drafter.evaluate's arguments choosing the drafter -> $L/eval.{json,log}
+  python3 -m jax_drafter.evaluate "$@" --target-path "$D/smollm2" --gguf-file "$GGUF" \
+      ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
+  rc=$?; tail -n 12 "$L/eval.log"
+  echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE"
+}
 stamp() { echo "=== [$(date +%T)] $*"; }
 
 collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back, 16 MiB each)
@@ -172,18 +178,11 @@ case "${1:-}" in
     (cd "$RUN" && tar c config.json export | xz -T8 -1 | split -b 15M - "$L/$name.xz.part_") &&
         touch "$L/$name.xz.done"
     stamp "evaluate"
-    python3 -m jax_drafter.evaluate --run-dir "$RUN" --target-path "$D/smollm2" --gguf-file "$GGUF" \
-        ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
-    rc=$?; tail -n 12 "$L/eval.log"
-    echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE" ;;
+    held_out_eval --run-dir "$RUN" ;;
   eval-restored)   # runs in $D/src: the evaluation the pipeline would have run, on the export
     P0=$(date +%s)
     stamp "evaluate the restored drafter (its end-of-training export)"
-    python3 -m jax_drafter.evaluate --run-dir "$D/runs/restored" --export \
-        --target-path "$D/smollm2" --gguf-file "$GGUF" \
-        ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
-    rc=$?; tail -n 12 "$L/eval.log"
-    echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE" ;;
+    held_out_eval --run-dir "$D/runs/restored" --export ;;
   *) echo "usage: $0 stage|launch|evaluate|watch"; exit 2 ;;
 esac
 echo "part took $(( $(date +%s) - T0 )) s"
