@@ -211,12 +211,17 @@ class StaticTargetDecoder(TargetDecoder):
     logits, feats = self._forward(prompt_ids, capture=capture, last_only=True, graph=False)
     return logits[-1], feats
 
+  @torch.inference_mode()   # the cache's length counter was made in inference mode, on a GPU
   def crop(self, length: int) -> None:
     remove = self._len - length
     if remove < 0:
       raise ValueError(f"cannot crop the target cache of {self._len} positions to {length=}")
     if remove and not self._explicit_positions:
-      self.cache.crop(-remove)
+      for layer in self.cache.layers:
+        if hasattr(layer, "crop"):
+          layer.crop(-remove)
+        else:   # transformers < 5.18: a static layer tracks its length but has no crop
+          layer.cumulative_length.sub_(remove)   # in place: CUDA graphs hold its address
     self._len = length
 
 

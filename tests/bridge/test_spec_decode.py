@@ -229,6 +229,35 @@ def test_static_decoder_equals_the_dynamic_one(tiny_llama, graphed, monkeypatch)
     assert all(g["graph"].replays > 0 for g in sta._graphs.values())
 
 
+@pytest.mark.parametrize("layer_crop", [True, False])
+def test_static_decoder_crop_on_gpu_made_counters(tiny_llama, layer_crop, monkeypatch):
+  """crop() where the cache's length counters were made in inference mode, as its first forward
+  makes them when it moves them to a GPU (an in-place update outside inference mode then fails),
+  with the static layer's own crop (transformers >= 5.18) and without it (5.17 on the GPU
+  machine: the decoder moves each layer's counter itself). Decoding after the crop must still
+  equal the dynamic decoder's."""
+  from transformers.cache_utils import StaticLayer
+  if not layer_crop:
+    monkeypatch.delattr(StaticLayer, "crop")
+  target = Target(tiny_llama, _Tokenizer(), "tiny")
+  dyn = spec_decode.TargetDecoder(target, (0, 1))
+  sta = spec_decode.StaticTargetDecoder(target, (0, 1), max_len=40)
+  dyn.prefill(PROMPT)
+  sta.prefill(PROMPT)
+  with torch.inference_mode():   # what lazy initialisation's .to(cuda) leaves behind
+    for layer in sta.cache.layers:
+      layer.cumulative_length = layer.cumulative_length.clone()
+  assert all(layer.cumulative_length.is_inference() for layer in sta.cache.layers)
+  for block, keep in (([7, 8, 9, 10], 8), ([11, 12, 13, 14], 6)):
+    for a, b in zip(dyn.verify(block), sta.verify(block)):
+      torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    dyn.crop(keep)
+    sta.crop(keep)
+    assert [int(layer.cumulative_length) for layer in sta.cache.layers] == [keep] * len(sta.cache.layers)
+  for a, b in zip(dyn.verify([3, 4]), sta.verify([3, 4])):
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 def test_static_decoder_bounds(tiny_llama):
   target = Target(tiny_llama, _Tokenizer(), "tiny")
   sta = spec_decode.StaticTargetDecoder(target, max_len=10)   # rounded up to 64 positions
