@@ -1,6 +1,7 @@
 """What one speculative-decoding verify step of the target costs on a GPU, per decoder: the
-DynamicCache decoder the evaluation uses by default (eager transformers), the static-cache decoder
-eager, and the static-cache decoder with CUDA graphs (`jax_drafter.evaluate --static-decoder`).
+DynamicCache decoder (eager transformers, `jax_drafter.evaluate --decoder dynamic`), the
+static-cache decoder eager, and the static-cache decoder with CUDA graphs (`--decoder static`, which
+`auto`, the default, picks on a GPU).
 A target of SmolLM2-135M's shapes with random weights (bf16); each step verifies a block of
 --block tokens with the layers a 5-layer drafter reads captured, then crops back to a random
 accepted length, as decoding does. Medians over --steps steps (wall clock, synchronised).

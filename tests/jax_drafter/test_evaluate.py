@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,33 @@ def one_torch_thread():
   torch.set_num_threads(n)
 
 
+def test_decoder_choice(monkeypatch):
+  """auto: the static decoder on a GPU for full-attention targets, the dynamic one otherwise
+  (sliding-window or linear-attention layers, CPU); an unknown kind is an error naming them."""
+  made = []
+  monkeypatch.setattr(spec_decode, "StaticTargetDecoder",
+                      lambda target, layers, max_len: made.append(("static", max_len)) or "S")
+  monkeypatch.setattr(spec_decode, "TargetDecoder",
+                      lambda target, layers: made.append(("dynamic",)) or "D")
+  cfg = types.SimpleNamespace(target_layer_ids=(1, 2))
+
+  def target(device, **config):
+    model = types.SimpleNamespace(config=types.SimpleNamespace(**config))
+    return types.SimpleNamespace(device=torch.device(device), model=model)
+  full = dict(layer_types=["full_attention"] * 2)
+  assert evaluate._decoder(target("cuda", **full), cfg, "auto", max_len=99) == "S"
+  assert evaluate._decoder(target("cpu", **full), cfg, "auto", max_len=99) == "D"
+  assert evaluate._decoder(target("cuda", layer_types=["full_attention", "linear_attention"]),
+                           cfg, "auto", max_len=99) == "D"
+  assert evaluate._decoder(target("cuda", sliding_window=4096), cfg, "auto", max_len=99) == "D"
+  assert evaluate._decoder(target("cpu", **full), cfg, "static", max_len=7) == "S"
+  assert evaluate._decoder(target("cuda", **full), cfg, "dynamic", max_len=7) == "D"
+  assert made == [("static", 99), ("dynamic",), ("dynamic",), ("dynamic",), ("static", 7),
+                  ("dynamic",)]
+  with pytest.raises(evaluate.EvaluationError, match="auto, static, dynamic"):
+    evaluate._decoder(target("cpu", **full), cfg, "graphs", max_len=7)
+
+
 # ---- the loop ------------------------------------------------------------------------------------
 
 def test_lossless_untrained_drafter(tiny_target):
@@ -50,10 +78,13 @@ def test_lossless_untrained_drafter(tiny_target):
     assert row["new_tokens"] == 16 and row["target_new_tokens"] == 16
   # The static-cache decoder: the same verify steps, prompt by prompt, and lossless.
   static = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS,
-                                 max_new_tokens=16, progress=False, static_decoder=True)
+                                 max_new_tokens=16, progress=False, decoder="static")
   assert static["lossless"]["passed"] is True
   assert ([r["accepted"] for r in static["per_prompt"]]
           == [r["accepted"] for r in report["per_prompt"]])
+  # On a CPU the default ("auto") is the dynamic cache; the report says which decoded.
+  assert report["tokens_per_second"]["decoder"] == "with a dynamic KV cache, eager"
+  assert static["tokens_per_second"]["decoder"] == "with a static KV cache, eager"
   # The speculative output itself, against decoding that shares no code with the loop.
   ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[1])
   session = DrafterSession(cfg, graphdef, params, jnp.asarray(tiny_target.embedding.numpy()),
@@ -322,7 +353,7 @@ def test_untrained_drafter_tau_close_to_one_on_smollm2(smollm2):
   assert report["tokens_per_second"]["target_only"] > 0
   # The real GGUF target over a static KV cache: the same verify steps.
   static = evaluate.evaluate_tau(smollm2, cfg, graphdef, params, SMOL_PROMPTS,
-                                 max_new_tokens=8, progress=False, static_decoder=True)
+                                 max_new_tokens=8, progress=False, decoder="static")
   assert static["lossless"]["passed"] is True
   assert ([r["accepted"] for r in static["per_prompt"]]
           == [r["accepted"] for r in report["per_prompt"]])
