@@ -250,6 +250,75 @@ def _host_memory() -> tuple[int, int] | None:
     return None
 
 
+class _HostSlabs:
+  """Host memory for FeatureCache's host tier, handed out row by row from slabs of `slab_bytes`
+  (pinned for a GPU target), at most `limit` bytes of slabs in all. While one slab fills, the
+  next is allocated on a background thread, so a row costs a view and an asynchronous copy:
+  pinning a row's own buffer (~12 MB, rounded up to a power of two by torch's pinned allocator)
+  and copying into it synchronously made the H200 recipe's first epoch run at half speed once
+  its rows went to host memory (163k -> ~85k context tokens/s, 2026-12-04).
+  room(nbytes) -> None or why a slab of nbytes may not be allocated (checked before each).
+  take() -> a row's tensor, or None when no slab has room (`why` then says why)."""
+
+  ALIGN = 64                     # bytes: every row starts at a multiple (any dtype's size)
+
+  def __init__(self, limit: int, slab_bytes: int, *, pin: bool, room=lambda n: None):
+    self.limit, self.slab_bytes, self.pin, self.room = limit, max(int(slab_bytes), 1), pin, room
+    self.allocated = 0           # bytes of the slabs made and being made
+    self.slabs: list[torch.Tensor] = []
+    self.offset = 0              # in the last slab
+    self.why = f"its {limit / 2**30:.2f} GiB are taken (raise target.feature_cache_host_gib)"
+    self._next = None            # (Future of the next slab, its bytes)
+    self._pool = None
+
+  def _allocate(self, nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+  def _start_next(self) -> None:
+    nbytes = min(self.slab_bytes, self.limit - self.allocated)
+    if self._next is not None or nbytes <= 0:
+      return
+    why = self.room(nbytes)
+    if why is not None:
+      self.why, self.limit = why, self.allocated     # no more slabs after this
+      return
+    if self._pool is None:
+      from concurrent.futures import ThreadPoolExecutor
+      self._pool = ThreadPoolExecutor(1, thread_name_prefix="feature-cache-pin")
+    self.allocated += nbytes
+    self._next = (self._pool.submit(self._allocate, nbytes), nbytes)
+
+  def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    need = -(-nbytes // self.ALIGN) * self.ALIGN
+    if not self.slabs or self.offset + nbytes > self.slabs[-1].numel():
+      if self._next is None:
+        self._start_next()       # the first slab (or the background one was not started)
+      if self._next is None:
+        return None
+      future, size = self._next
+      self._next = None
+      if nbytes > size:          # the last, smaller slab cannot hold a row: give it back
+        self.allocated -= size
+        self.limit = self.allocated
+        return None
+      self.slabs.append(future.result())
+      self.offset = 0
+      self._start_next()         # the following slab pins while this one fills
+    row = self.slabs[-1][self.offset:self.offset + nbytes].view(dtype).view(shape)
+    self.offset += need
+    return row
+
+  def close(self) -> None:
+    """No more rows: a slab being made is dropped (its memory is returned once made)."""
+    if self._next is not None:
+      self._next[0].cancel() or self._next[0].result()
+      self.allocated -= self._next[1]
+      self._next = None
+    if self._pool is not None:
+      self._pool.shutdown(wait=False)
+
+
 class FeatureCache:
   """Target features of packed rows kept in memory, keyed by the row's content (ids, positions,
   document ids): a small dataset trained for many epochs pays for each row's target forward
@@ -257,19 +326,23 @@ class FeatureCache:
   against ~80 for the drafter's LM head). Drop-in for `Target.stacked_features`.
 
   Two tiers: up to `max_bytes` on the target's device, then up to `host_bytes` in host memory
-  (pinned when the device is a GPU, so a row comes back by one asynchronous copy: ~12 MB per
-  2048-token row of SmolLM2's 5 captured layers, about half a millisecond at PCIe speed, against
-  ~13 ms for its target forward on an H200). Rows beyond both are computed every time.
+  (pinned when the device is a GPU, so a row goes there and comes back by asynchronous copies:
+  ~12 MB per 2048-token row of SmolLM2's 5 captured layers, about half a millisecond at PCIe
+  speed, against ~13 ms for its target forward on an H200). Host rows are carved from slabs of
+  `host_slab_bytes` (_HostSlabs), the next one pinned in the background. Rows beyond both tiers
+  are computed every time.
 
   On a GPU the device tier also stops growing while the device has less than `reserve` of its
   memory free (default 10%): the drafter's JAX allocator shares the device and grows on its own
   (a cache that took memory unasked ended a run out of memory at 50 of 80 GiB). The host tier
-  likewise stops while the machine has less than `reserve` of its memory available.
+  likewise stops where its next slab would leave the machine less than `reserve` of its memory
+  available.
   `free_memory` / `host_free_memory`: () -> (free, total) bytes, for tests; defaults
   torch.cuda.mem_get_info and /proc/meminfo."""
 
   def __init__(self, target: "Target", max_bytes: float, *, host_bytes: float = 0,
-               reserve: float = 0.10, free_memory=None, host_free_memory=None):
+               reserve: float = 0.10, free_memory=None, host_free_memory=None,
+               host_slab_bytes: int = 1 << 30):
     self.target, self.max_bytes, self.reserve = target, max_bytes, reserve
     if free_memory is None and target.device.type == "cuda":
       free_memory = lambda: torch.cuda.mem_get_info(target.device)
@@ -281,12 +354,14 @@ class FeatureCache:
     self.host_rows: dict[bytes, torch.Tensor] = {}
     self.host_bytes, self.host_hits, self.host_full = 0, 0, host_bytes <= 0
     self._pin = target.device.type == "cuda"
-    self._probe = self._host_probe = None     # (free, total) of each tier, read once per step
+    self._slabs = _HostSlabs(int(host_bytes), host_slab_bytes, pin=self._pin, room=self._slab_room)
+    self._probe = None                        # (free, total) of the device, read once per step
 
   def _room(self, nbytes: int, taken: int, *, host: bool = False) -> str | None:
-    """None if a row of nbytes may be kept in the device tier (host: the host tier), else why
-    not. taken: bytes that tier kept since its free memory was last read (once per step)."""
-    used, limit, probe = ((self.host_bytes, self.max_host_bytes, self._host_probe) if host
+    """None if a row of nbytes may be kept in the device tier (host: the host tier, whose
+    memory check is _slab_room's), else why not. taken: bytes that tier kept since its free
+    memory was last read (once per step)."""
+    used, limit, probe = ((self.host_bytes, self.max_host_bytes, None) if host
                           else (self.bytes, self.max_bytes, self._probe))
     if used + nbytes > limit:
       setting = "target.feature_cache_host_gib" if host else "target.feature_cache_gib"
@@ -300,6 +375,17 @@ class FeatureCache:
         return (f"stopped at {used / 2**30:.2f} GiB: {where.format(free / 2**30, total / 2**30)}, "
                 f"and {self.reserve:.0%} stays free" + ("" if host else " for the drafter"))
     return None
+
+  def _slab_room(self, nbytes: int) -> str | None:
+    """None if a host slab of nbytes leaves the machine `reserve` of its memory, else why not."""
+    probe = self.host_free_memory()
+    if probe is None:
+      return None
+    free, total = probe
+    if free - nbytes >= self.reserve * total:
+      return None
+    return (f"the machine has {free / 2**30:.1f} of {total / 2**30:.1f} GiB available, and "
+            f"{self.reserve:.0%} stays free")
 
   @property
   def device(self) -> torch.device:
@@ -336,9 +422,7 @@ class FeatureCache:
         out[i].copy_(out[first[k]])
     if todo and not self.full and self.free_memory is not None:
       self._probe = self.free_memory()
-    if todo and not self.host_full:
-      self._host_probe = self.host_free_memory()
-    taken = host_taken = 0
+    taken = 0
     for i in todo:
       if self.full and self.host_full:
         break
@@ -357,15 +441,21 @@ class FeatureCache:
                     "the rows not in it are computed every step")
       if self.host_full:
         break
-      why = self._room(nbytes, host_taken, host=True)
+      why = self._room(nbytes, 0, host=True)
+      h = None
       if why is None:
-        h = torch.empty(f.shape, dtype=f.dtype, pin_memory=self._pin)
-        h.copy_(f)
+        h = self._slabs.take(f.shape, f.dtype)
+        if h is None:
+          why = f"stopped at {self.host_bytes / 2**30:.2f} GiB: {self._slabs.why}"
+      if h is not None:
+        # Asynchronous into pinned memory: the host goes on while the copy runs, and the row's
+        # copy back in a later step is ordered after it on the same stream.
+        h.copy_(f, non_blocking=self._pin)
         self.host_rows[keys[i]] = h
         self.host_bytes += nbytes
-        host_taken += nbytes
       else:
         self.host_full = True
+        self._slabs.close()
         log.warning("target feature cache in host memory %s; the rows in neither tier are "
                     "computed every step", why)
     self.misses += len(todo)

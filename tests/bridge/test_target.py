@@ -200,11 +200,13 @@ def test_feature_cache_host_tier_takes_the_rows_the_device_tier_cannot(tiny, mon
   assert all(not t.is_pinned() for t in cache.host_rows.values())   # a CPU target: no pinning
   # The machine's available memory at the reserve: the host tier stops below its own limit.
   # 10% of 1000 rows' worth stays available; the machine has 101 rows' worth, less what it keeps.
-  low = FeatureCache(tiny, max_bytes=0, host_bytes=10 * row_bytes)
-  low.host_free_memory = lambda: (101 * row_bytes - low.host_bytes, 1000 * row_bytes)
+  # Checked before each slab (one row each here): the second would leave 99 rows' worth.
+  low = FeatureCache(tiny, max_bytes=0, host_bytes=10 * row_bytes, host_slab_bytes=row_bytes)
+  low.host_free_memory = lambda: (101 * row_bytes - low._slabs.allocated, 1000 * row_bytes)
   for m, r in zip(rows, ref):
     torch.testing.assert_close(low.stacked_features([m], [0, 2]), r, rtol=1e-5, atol=1e-6)
   assert len(low.host_rows) == 1 and low.host_full and not low.rows
+  assert low._slabs.allocated == row_bytes
 
 
 def test_config_numbers_read_through_float32_are_written_as_decimals():
@@ -214,3 +216,40 @@ def test_config_numbers_read_through_float32_are_written_as_decimals():
   assert _decimal(float(np.float32(1e-5))) == 1e-05          # GGUF's rms_norm_eps, 1e-05 again
   assert _decimal(1e-6) == 1e-6 and _decimal(100000.0) == 100000.0
   assert _decimal(0.1) == 0.1                                # not a float32 value: left as it is
+
+
+def test_host_slabs_hand_out_disjoint_rows_and_pin_ahead():
+  """Rows come from slabs, never overlapping, each keeping what was written to it; the next slab
+  is requested as soon as one starts filling; slabs stop at the limit, at a refusal of room (its
+  reason kept), and where the last, smaller slab cannot hold a row."""
+  from bridge.target import _HostSlabs
+  row = (4, 4)                                    # 64 bytes of float32: 2 rows a 128-byte slab
+  slabs = _HostSlabs(limit=320, slab_bytes=128, pin=False)
+  got = []
+  for i in range(6):
+    t = slabs.take(row, torch.float32)
+    if t is None:
+      break
+    t.copy_(torch.full(row, float(i)))
+    got.append(t)
+    if i == 0:
+      assert slabs._next is not None and slabs.allocated == 256   # the second slab, ahead
+  assert len(got) == 5 and [s.numel() for s in slabs.slabs] == [128, 128, 64]
+  assert all(bool((t == i).all()) for i, t in enumerate(got))     # nothing overwritten
+  assert "raise target.feature_cache_host_gib" in slabs.why
+  # Rows whose size is not a multiple of the alignment start at aligned offsets.
+  odd = _HostSlabs(limit=1000, slab_bytes=1000, pin=False)
+  a, b = odd.take((5,), torch.float32), odd.take((5,), torch.float32)
+  assert b.data_ptr() - a.data_ptr() == 64
+  # A refusal of room stops the slabs; the reason is kept for the cache's message.
+  refused = _HostSlabs(limit=10_000, slab_bytes=128, pin=False,
+                       room=lambda n: "no memory" if refused.allocated >= 128 else None)
+  assert refused.take(row, torch.float32) is not None
+  assert refused.take(row, torch.float32) is not None              # the first slab's second row
+  assert refused.take(row, torch.float32) is None and refused.why == "no memory"
+  assert refused.allocated == 128
+  # A last slab smaller than a row is given back, not used.
+  short = _HostSlabs(limit=160, slab_bytes=128, pin=False)
+  assert short.take(row, torch.float32) is not None and short.take(row, torch.float32) is not None
+  assert short.take(row, torch.float32) is None and short.allocated == 128
+  short.close()
