@@ -108,9 +108,11 @@ part_cmds() {
           --then "python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 240 --json $OUT/bench-beside-target.json" ;;
     spec-decode)  # evaluation's target decoder: the static-cache decoder's GPU tests (CUDA-graph
                   # verify steps == eager ones) and regeneration's, which share the graph capture
-                  # (bridge.generation.capture_graph), then one verify step's time per decoder
+                  # (bridge.generation.capture_graph), the feature cache's pinned host tier, then
+                  # one verify step's time per decoder
       run timeout 300 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
-          tests/bridge/test_spec_decode_gpu.py tests/bridge/test_generation_gpu.py
+          tests/bridge/test_spec_decode_gpu.py tests/bridge/test_generation_gpu.py \
+          tests/bridge/test_target_gpu.py
       run timeout 240 python3 scripts/bench_verify.py --json "$OUT/bench-verify.json" ;;
     generation)   # regeneration's decoder: its GPU tests (graph == eager, concurrent batches on
                   # their own streams, compiled), then tokens/s at the recipe's shapes, 1 and 2
