@@ -257,6 +257,7 @@ class _HostSlabs:
   pinning a row's own buffer (~12 MB, rounded up to a power of two by torch's pinned allocator)
   and copying into it synchronously made the H200 recipe's first epoch run at half speed once
   its rows went to host memory (163k -> ~85k context tokens/s, 2026-12-04).
+  The slab ahead may never be used (at most slab_bytes more than the rows need).
   room(nbytes) -> None or why a slab of nbytes may not be allocated (checked before each).
   take() -> a row's tensor, or None when no slab has room (`why` then says why)."""
 
