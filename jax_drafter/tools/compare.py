@@ -16,7 +16,8 @@ lot (two such prompts once decided a comparison of 32); the pooled figure and th
 
 Prompts are matched by the key of their token ids (reports of evaluate since this tool), else by
 position with equal prompt lengths; reports on other prompts, another --max-new-tokens or another
-temperature are refused, naming the difference.
+temperature are refused, naming the difference; reports whose target decoded differently
+(evaluate --decoder) are compared with a note saying so.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def compare(base: dict, new: dict, *, resamples: int = 2000, seed: int = 0,
       "tau_pooled_difference": None if pa is None or pb is None else pb - pa,
       "tau_pooled_difference_95": interval, "resamples": resamples, "seed": seed,
       "tau_median": {names[0]: float(np.median(ta)), names[1]: float(np.median(tb))},
+      # How the target decoded in each (evaluate --decoder; older reports do not say).
+      "decoder": {nm: r.get("tokens_per_second", {}).get("decoder")
+                  for nm, r in zip(names, (base, new))},
   }
 
 
@@ -138,6 +142,11 @@ def format_comparison(c: dict, names=("BASE", "NEW")) -> str:
          f" {c['resamples']} resamples)"),
       f"  median of per-prompt tau   {a} {c['tau_median'][a]:.3f}   {b} {c['tau_median'][b]:.3f}",
   ]
+  dec = c.get("decoder") or {}
+  if dec.get(a) != dec.get(b):
+    lines.append(f"  note: the target decoded {dec.get(a) or '(not recorded)'} in {a}, "
+                 f"{dec.get(b) or '(not recorded)'} in {b}: in bfloat16 a near-tie of its two best "
+                 "logits may round the other way, so a few responses may differ for that reason")
   return "\n".join(lines)
 
 

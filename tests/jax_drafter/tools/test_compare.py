@@ -50,6 +50,22 @@ def test_a_drafter_against_itself_is_zero_everywhere():
   assert c["tau_difference"] == 0 and c["tau_pooled_difference"] == 0
   assert c["tau_pooled_difference_95"] == [0.0, 0.0]
   assert (c["better"], c["worse"], c["equal"]) == (0, 0, 12)
+  assert "note:" not in compare.format_comparison(c)
+
+
+def test_says_when_the_target_decoded_differently():
+  """Reports whose target decoded differently (evaluate --decoder) still compare, with a note
+  naming both; reports from before the decoder was recorded count as not recorded."""
+  base, new = _report([[1, 0]]), _report([[1, 0]])
+  base["tokens_per_second"] = {"decoder": "with a dynamic KV cache, eager"}
+  new["tokens_per_second"] = {"decoder": "with a static KV cache, CUDA graphs"}
+  text = compare.format_comparison(compare.compare(base, new, resamples=10))
+  assert ("note: the target decoded with a dynamic KV cache, eager in BASE, with a static KV "
+          "cache, CUDA graphs in NEW") in text
+  del base["tokens_per_second"]
+  assert "(not recorded) in BASE" in compare.format_comparison(compare.compare(base, new, resamples=10))
+  new["tokens_per_second"] = {}
+  assert "note:" not in compare.format_comparison(compare.compare(base, new, resamples=10))
 
 
 def test_rows_pair_by_prompt_key_in_any_order():
