@@ -21,7 +21,7 @@
 # Each call copies the logs, metrics and results written so far to $OUT.
 # The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
 # (a minute or two into training), the regenerated answers too (regen.xz.part_*, ~17 MB for every
-# turn): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before
+# turn, ~37 MB with two sampled first answers): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before
 # "launch"; .gpu_b + .gpu_c exceed one call's 64 MiB) restores them, so its regeneration finds
 # every conversation cached. When training ends, the drafter (its export/ and config.json, xz
 # parts drafter-ARM.xz.part_*, ~65 MB) comes back the same way: kept in .gpu_d, a later chain
