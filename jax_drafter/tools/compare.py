@@ -1,6 +1,7 @@
 """Two drafters' evaluation reports on the same prompts, compared prompt by prompt.
 
-    python -m jax_drafter.tools.compare BASE.json NEW.json [--resamples 2000] [--seed 0] [--json F]
+    python -m jax_drafter.tools.compare BASE.json NEW.json [--first N] [--resamples 2000] [--seed 0]
+                                        [--json F]
 
 BASE.json and NEW.json are `jax_drafter.evaluate --json` reports. A difference in tau between two
 drafters is only meaningful against the noise of the prompts: responses differ far more from each
@@ -49,13 +50,20 @@ def load_report(path: str) -> dict:
   return report
 
 
-def pair(base: dict, new: dict, names=("BASE", "NEW")) -> list[tuple[dict, dict]]:
-  """Rows of the same prompts, in BASE's order."""
+def pair(base: dict, new: dict, names=("BASE", "NEW"), *,
+         first: int | None = None) -> list[tuple[dict, dict]]:
+  """Rows of the same prompts, in BASE's order. first: only each report's first `first` rows
+  (an evaluation of a run's first 64 held-out prompts against one of its first 32)."""
   for field in ("max_new_tokens", "temperature"):
     if base.get(field) != new.get(field):
       raise CompareError(f"{names[0]} was evaluated with {field}={base.get(field)} and "
                          f"{names[1]} with {new.get(field)}: evaluate both the same way")
   a, b = base["per_prompt"], new["per_prompt"]
+  if first is not None:
+    if first < 1 or first > min(len(a), len(b)):
+      raise CompareError(f"--first {first}: {names[0]} has {len(a)} prompts and {names[1]} "
+                         f"{len(b)}; give at most {min(len(a), len(b))}")
+    a, b = a[:first], b[:first]
   if all("prompt_key" in r for r in a + b):
     by_key = {r["prompt_key"]: r for r in b}
     missing = [r["prompt"] for r in a if r["prompt_key"] not in by_key]
@@ -87,8 +95,8 @@ def _pooled(tokens: np.ndarray, steps: np.ndarray) -> float | None:
 
 
 def compare(base: dict, new: dict, *, resamples: int = 2000, seed: int = 0,
-            names=("BASE", "NEW")) -> dict:
-  pairs = pair(base, new, names)
+            names=("BASE", "NEW"), first: int | None = None) -> dict:
+  pairs = pair(base, new, names, first=first)
   both = [(_tau(x), _tau(y)) for x, y in pairs]
   both = [(x, y) for x, y in both if x is not None and y is not None]
   if not both:
@@ -157,13 +165,16 @@ def main(argv=None) -> int:
   p.add_argument("new", help="the other drafter's report, on the same prompts")
   p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--first", type=int, metavar="N",
+                 help="compare only each report's first N prompts (evaluate takes a run's "
+                      "held-out prompts in order: 64 of them begin with the 32)")
   p.add_argument("--json", help="write the comparison here")
   args = p.parse_args(argv)
   if args.resamples < 0:
     p.error("--resamples must be >= 0")
   try:
     c = compare(load_report(args.base), load_report(args.new), resamples=args.resamples,
-                seed=args.seed)
+                seed=args.seed, first=args.first)
   except CompareError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

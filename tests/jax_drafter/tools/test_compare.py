@@ -110,3 +110,18 @@ def test_cli(tmp_path, capsys):
   assert f"{bad}: no per_prompt rows" in capsys.readouterr().err
   assert compare.main([str(a), str(tmp_path / "missing.json")]) == 2
   assert "cannot read an evaluation report" in capsys.readouterr().err
+
+
+def test_first_n_prompts_of_a_longer_evaluation():
+  """--first N: a 64-prompt evaluation against a 32-prompt one on its first prompts; without it
+  the reports are refused; N beyond either report is refused."""
+  acc = [[i % 3, 1] for i in range(6)]
+  short = _report(acc[:4], lengths=[10, 11, 12, 13])
+  long = _report(acc, lengths=[10, 11, 12, 13, 14, 15])
+  with pytest.raises(compare.CompareError, match="4 prompts and NEW 6"):
+    compare.compare(short, long, resamples=10)
+  c = compare.compare(short, long, resamples=10, first=4)
+  assert c["prompts"] == 4 and c["tau_difference"] == 0
+  assert compare.compare(long, long, resamples=10, first=5)["prompts"] == 5
+  with pytest.raises(compare.CompareError, match="at most 4"):
+    compare.compare(short, long, resamples=10, first=5)
