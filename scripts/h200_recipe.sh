@@ -29,7 +29,9 @@
 # (`jax_drafter.evaluate --run-dir R --export`). Each set of parts comes back once.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
-# (jax_drafter.evaluate's, default 32 prompts of 128 new tokens), LIMIT (the call's seconds,
+# (jax_drafter.evaluate's, default all 64 held-out prompts of
+# 128 new tokens: the static decoder's CUDA graphs make them cheap; earlier runs took the first 32,
+# `jax_drafter.tools.compare --first 32` pairs the two), LIMIT (the call's seconds,
 # default 580), ARMS ("name:overrides;name:overrides": launch runs the pipeline once per arm, in
 # order, with BUDGET_S per arm; logs come back in arm-NAME/).
 # The machine is released 30 s after a call ends: issue each next call at once.
@@ -49,7 +51,7 @@ COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
 held_out_eval() {  # jax_drafter.evaluate's arguments choosing the drafter -> $L/eval.{json,log}
   python3 -m jax_drafter.evaluate "$@" --target-path "$D/smollm2" --gguf-file "$GGUF" \
-      ${EVAL_ARGS:---num-prompts 32 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
+      ${EVAL_ARGS:---num-prompts 64 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
   rc=$?; tail -n 12 "$L/eval.log"
   echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE"
 }
