@@ -290,7 +290,7 @@ class _HostSlabs:
     self._next = (self._pool.submit(self._allocate, nbytes), nbytes)
 
   def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     need = -(-nbytes // self.ALIGN) * self.ALIGN
     if not self.slabs or self.offset + nbytes > self.slabs[-1].numel():
       if self._next is None:
