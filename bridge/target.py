@@ -388,6 +388,13 @@ class FeatureCache:
     return (f"the machine has {free / 2**30:.1f} of {total / 2**30:.1f} GiB available, and "
             f"{self.reserve:.0%} stays free")
 
+  def describe(self) -> str:
+    """Where the rows are and what served them so far (the trainer logs it at each validation)."""
+    return (f"{len(self.rows)} rows on the device ({self.bytes / 2**30:.2f} GiB), "
+            f"{len(self.host_rows)} in host memory ({self.host_bytes / 2**30:.2f} GiB); rows "
+            f"served so far: {self.hits - self.host_hits} from the device, {self.host_hits} from "
+            f"host memory, {self.misses} by the target")
+
   @property
   def device(self) -> torch.device:
     return self.target.device

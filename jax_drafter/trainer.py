@@ -258,6 +258,9 @@ class _Run:
              rec["val_tau_estimate"],
              "" if last is None else f"; training: loss {last['loss']:.4f} acc "
              f"{last['accuracy']:.3f} tau~ {last['tau_estimate']:.2f}")
+    for i, src in enumerate(self.sources):    # how the rows' features are kept and served
+      if hasattr(src, "describe"):
+        log.info("feature cache%s: %s", f" {i}" if len(self.sources) > 1 else "", src.describe())
     self.metrics_file.write(_jsonl(rec))
     self.metrics_file.flush()
     if self.writer is not None:

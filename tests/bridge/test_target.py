@@ -197,6 +197,9 @@ def test_feature_cache_host_tier_takes_the_rows_the_device_tier_cannot(tiny, mon
   assert cache.bytes == row_bytes and cache.host_bytes == 3 * row_bytes
   assert calls == [1] * 5 + [1]               # epoch 2 runs the target for the fifth row only
   assert (cache.hits, cache.host_hits, cache.misses) == (4, 3, 6)
+  assert cache.describe().endswith("rows served so far: 1 from the device, 3 from host memory, "
+                                   "6 by the target")
+  assert cache.describe().startswith("1 rows on the device (0.00 GiB), 3 in host memory")
   assert all(not t.is_pinned() for t in cache.host_rows.values())   # a CPU target: no pinning
   # The machine's available memory at the reserve: the host tier stops below its own limit.
   # 10% of 1000 rows' worth stays available; the machine has 101 rows' worth, less what it keeps.

@@ -230,6 +230,21 @@ def test_feature_cache_trains_like_the_live_target(tiny_target_dir, sharegpt_sam
     assert c[s] == pytest.approx(a[s], rel=1e-5), s
 
 
+def test_validation_reports_where_the_feature_cache_keeps_the_rows(tiny_target_dir, sharegpt_sample,
+                                                                   tmp_path, caplog):
+  """Each validation logs the feature cache's tiers and what served the rows (here the host
+  tier alone: every row in host memory, none on the device)."""
+  import logging
+  caplog.set_level(logging.INFO, logger="jax_drafter.trainer")
+  trainer.train(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "h"),
+                                "data.validation=6", "train.val_every=2", "train.steps=2",
+                                "data.max_conversations=12", "target.feature_cache_host_gib=0.5"))
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("feature cache")]
+  assert len(lines) == 1, lines
+  assert lines[0].startswith("feature cache: 0 rows on the device (0.00 GiB), ")
+  assert " in host memory " in lines[0] and "by the target" in lines[0]
+
+
 def test_validation_rows_are_never_trained_on_and_give_the_same_curve_on_resume(
     tiny_target_dir, sharegpt_sample, tmp_path):
   extra = ("data.validation=6", "train.val_every=2", "train.steps=4")
