@@ -124,9 +124,11 @@ part_cmds() {
       run timeout 200 python3 scripts/bench_generation.py --rows 1024 --prompt-len 1800 --new 192 \
           --concurrent 1,2 --json "$OUT/bench-generation-long.json" ;;
     target-attention)  # target.attention: flex (block mask) against the dense-mask SDPA: the GPU
-                       # test, then the features forward's speed and peak memory on packed rows
+                       # test (and the feature cache's pinned host tier), then the features
+                       # forward's speed and peak memory on packed rows
       run timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-          tests/bridge/test_target_memory.py -k flex
+          tests/bridge/test_target_memory.py::test_flex_document_attention_on_cuda \
+          tests/bridge/test_target_gpu.py
       run timeout 300 python3 scripts/target_forward_bench.py --json "$OUT/target-forward.json" ;;
     layouts-1gpu)  # issue #13 on one GPU: the target-forward bound and the shared layout
                    # (SmolLM2-1.7B shapes, random weights, 3-layer drafter, 8 x 2048, 256 anchors).
