@@ -293,6 +293,14 @@ class DataSection:
   # elementwise kernels; the first batch pays the compilation). Static-cache targets only.
   regenerate_compile: bool = False
   regenerate_file: str | None = None        # JSONL cache; None: <cache_dir>/regenerated.jsonl
+  # User messages written by the target itself (bridge.synthetic_prompts: its chat template cut
+  # where a user message begins, sampled at synthetic_prompt_temperature): this many sampled, the
+  # complete and distinct ones added to the training conversations as one-turn conversations
+  # that regeneration answers like the others. Never in the held-out or validation split. Cached
+  # next to the regenerated answers (synthetic_prompts.jsonl). 0 = none; needs data.regenerate.
+  synthetic_prompts: int = 0
+  synthetic_prompt_max_tokens: int = 128    # a message not finished by then is dropped
+  synthetic_prompt_temperature: float = 1.0
   seed: int = 0
   # A directory written by `python -m jax_drafter.cache_features`: training reads the target's
   # features from it (stored in bf16) and runs no target forward. None: the target runs online.
@@ -323,6 +331,15 @@ class DataSection:
       raise ConfigError(f"data.regenerate_sample_temperature={self.regenerate_sample_temperature} "
                         "must be > 0: the extra answers of data.regenerate_samples are sampled (at "
                         "0 they would repeat the greedy answer)")
+    if self.synthetic_prompts < 0 or self.synthetic_prompt_max_tokens < 1:
+      raise ConfigError(f"data.synthetic_prompts={self.synthetic_prompts} must be >= 0 and "
+                        f"data.synthetic_prompt_max_tokens={self.synthetic_prompt_max_tokens} >= 1")
+    if self.synthetic_prompts and not self.regenerate:
+      raise ConfigError(f"data.synthetic_prompts={self.synthetic_prompts} needs data.regenerate: "
+                        "true (the target writes the prompts' answers)")
+    if self.synthetic_prompts and self.synthetic_prompt_temperature <= 0:
+      raise ConfigError(f"data.synthetic_prompt_temperature={self.synthetic_prompt_temperature} "
+                        "must be > 0 (greedy sampling would write one prompt over and over)")
     if self.features is not None and not self.features.strip():
       raise ConfigError("data.features is empty: give the directory written by "
                         "`python -m jax_drafter.cache_features`, or null to run the target online")

@@ -631,4 +631,8 @@ def feature_cache_settings(cfg, layer_ids) -> dict:
       **({"data.regenerate_sample_max_turns": d.regenerate_sample_max_turns}
          if regen and d.regenerate_samples > 1 and d.regenerate_sample_max_turns is not None
          else {}),
+      **({"data.synthetic_prompts": d.synthetic_prompts,
+          "data.synthetic_prompt_max_tokens": d.synthetic_prompt_max_tokens,
+          "data.synthetic_prompt_temperature": d.synthetic_prompt_temperature}
+         if regen and d.synthetic_prompts else {}),
   }

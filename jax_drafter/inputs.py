@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -70,8 +71,12 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
         progress=progress, stats=part, cuda_graph=cuda_graph)
         for s, part in zip(samples + [first], parts + [{}])]
   made, (first_fn, first_key) = made[:-1], made[-1]
+  synthetic = _synthetic_prompts(d, target, path, fingerprint if fingerprint is not None else fp,
+                                 cached_only=fingerprint is not None, progress=progress)
 
   def fn(convs: list[dict]) -> list[dict]:
+    if synthetic is not None:   # training conversations only: validation goes through `first`
+      convs = convs + synthetic[0]()
     records = []
     for i, ((f, _), s) in enumerate(zip(made, samples)):
       if len(made) > 1:
@@ -89,9 +94,30 @@ def regeneration(cfg: RunConfig, target, *, progress: bool = True, stats: dict |
           stats[k] = sum(p[k] for p in parts)
     return records
   key = "+".join(k for _, k in made)
+  if synthetic is not None:       # the prompts the target wrote are part of the data
+    key += "|" + synthetic[1]
   if first_key != made[0][1]:     # the validation answers' settings name the data too
     key += "|validation:" + first_key
   return Regeneration(_out_of_memory_named(fn, d), key, _out_of_memory_named(first_fn, d))
+
+
+def _synthetic_prompts(d, target, regenerated_path: str, fingerprint: str, *, cached_only: bool,
+                       progress: bool):
+  """None, or (() -> the target's own one-turn conversations, their key) for
+  data.synthetic_prompts (bridge.synthetic_prompts; cached beside the regenerated answers).
+  cached_only: the target's model is not loaded, the prompts are read from the cache."""
+  if not d.synthetic_prompts:
+    return None
+  from bridge import synthetic_prompts as sp
+  s = sp.PromptSettings(count=d.synthetic_prompts, max_new_tokens=d.synthetic_prompt_max_tokens,
+                        temperature=d.synthetic_prompt_temperature, seed=d.seed)
+  cache = os.path.join(os.path.dirname(regenerated_path) or ".", "synthetic_prompts.jsonl")
+  if cached_only:
+    make = lambda: sp.cached(s, fingerprint=fingerprint, cache_path=cache)
+  else:
+    make = lambda: sp.synthesize(target.model, target.tokenizer, s, fingerprint=fingerprint,
+                                 cache_path=cache, progress=progress)
+  return make, sp.prompts_key(fingerprint, s)
 
 
 def _out_of_memory_named(fn, d):

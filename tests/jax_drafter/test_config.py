@@ -55,6 +55,17 @@ def test_negative_feature_cache_sizes_are_config_errors():
       build_config({"target": {key: -1}})
 
 
+def test_synthetic_prompt_settings_are_checked():
+  with pytest.raises(ConfigError, match="data.synthetic_prompts=10 needs data.regenerate: true"):
+    build_config({"data": {"synthetic_prompts": 10}})
+  with pytest.raises(ConfigError, match="synthetic_prompt_temperature=0.*must be > 0"):
+    build_config({"data": {"synthetic_prompts": 10, "regenerate": True,
+                           "synthetic_prompt_temperature": 0}})
+  with pytest.raises(ConfigError, match="data.synthetic_prompts=-1 must be >= 0"):
+    build_config({"data": {"synthetic_prompts": -1}})
+  assert build_config({"data": {"synthetic_prompts": 10, "regenerate": True}}).data.synthetic_prompts == 10
+
+
 _CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 

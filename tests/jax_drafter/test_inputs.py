@@ -37,3 +37,29 @@ def test_every_turn_trains_while_validation_keeps_the_first_answer(tiny_target_d
   _, _, ds2 = inputs.setup(plain)
   assert set(_answers_per_document(ds2.rows)) == {1}
   np.testing.assert_array_equal(ds2.val_rows["input_ids"], ds.val_rows["input_ids"])
+
+
+def test_synthetic_prompts_join_the_training_conversations_only(tiny_target_dir, sharegpt_sample,
+                                                                tmp_path, monkeypatch):
+  """data.synthetic_prompts: the target's own user messages are answered and trained on like the
+  dataset's conversations; validation rows stay those of the dataset, and the data key changes."""
+  from bridge import synthetic_prompts as sp
+  calls = []
+
+  def fake(model, tokenizer, s, *, fingerprint, cache_path, progress=True):
+    calls.append((s.count, s.temperature, cache_path))
+    return [{"id": f"synthetic-0-{i}", "messages": [{"role": "user", "content": text},
+                                                    {"role": "assistant", "content": ""}]}
+            for i, text in enumerate(["What is a drafter?", "Name three rivers.", "Hello!"])]
+  monkeypatch.setattr(sp, "synthesize", fake)
+  common = ("data.regenerate=true", "data.regenerate_max_new_tokens=3", "data.validation=6",
+            f"data.cache_dir={tmp_path}")
+  _, _, base = inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample,
+                                            str(tmp_path / "a"), *common))
+  _, _, more = inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "b"),
+                                            *common, "data.synthetic_prompts=5",
+                                            "data.synthetic_prompt_temperature=0.9"))
+  assert calls == [(5, 0.9, str(tmp_path / "synthetic_prompts.jsonl"))]
+  assert more.stats["train_conversations"] == base.stats["train_conversations"] + 3
+  assert len(_answers_per_document(more.rows)) == len(_answers_per_document(base.rows)) + 3
+  np.testing.assert_array_equal(more.val_rows["input_ids"], base.val_rows["input_ids"])
