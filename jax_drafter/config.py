@@ -297,7 +297,8 @@ class DataSection:
   # where a user message begins, sampled at synthetic_prompt_temperature): this many sampled, the
   # complete and distinct ones added to the training conversations as one-turn conversations
   # that regeneration answers like the others. Never in the held-out or validation split. Cached
-  # next to the regenerated answers (synthetic_prompts.jsonl). 0 = none; needs data.regenerate.
+  # next to the regenerated answers (synthetic_prompts.jsonl), sampled regenerate_batch_rows at a
+  # time (the chunks are part of their key). 0 = none; needs data.regenerate.
   synthetic_prompts: int = 0
   synthetic_prompt_max_tokens: int = 128    # a message not finished by then is dropped
   synthetic_prompt_temperature: float = 1.0

@@ -110,7 +110,8 @@ def _synthetic_prompts(d, target, regenerated_path: str, fingerprint: str, *, ca
     return None
   from bridge import synthetic_prompts as sp
   s = sp.PromptSettings(count=d.synthetic_prompts, max_new_tokens=d.synthetic_prompt_max_tokens,
-                        temperature=d.synthetic_prompt_temperature, seed=d.seed)
+                        temperature=d.synthetic_prompt_temperature, seed=d.seed,
+                        chunk=d.regenerate_batch_rows)   # rows sampled at once
   cache = os.path.join(os.path.dirname(regenerated_path) or ".", "synthetic_prompts.jsonl")
   if cached_only:
     make = lambda: sp.cached(s, fingerprint=fingerprint, cache_path=cache)
