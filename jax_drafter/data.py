@@ -449,7 +449,10 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
                     f"on (have {len(train)} after held_out); lower it or raise max_conversations")
   train, val = train[:len(train) - validation], train[len(train) - validation:]
   max_tokens = seq_len if pack_mode == "truncate" else None
-  docs, truncated, regenerated = _documents(file, tokenizer, train, max_tokens, regenerate)
+  # Conversations the target wrote itself (data.synthetic_prompts) must not hold an evaluation
+  # prompt: one whose first user message is a held-out or validation one is dropped.
+  counts = {"exclude": {_normal(u) for c in held + val if (u := _first_user(c["messages"]))}}
+  docs, truncated, regenerated = _documents(file, tokenizer, train, max_tokens, regenerate, counts)
   if regenerated is not None:
     train = []
   rows, stats = pack_documents(docs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
@@ -470,6 +473,10 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
            "documents_tokenized": len(docs), **stats}
   if regenerated is not None:
     stats["regenerated"] = True
+  if counts.get("synthetic_held_out"):
+    stats["synthetic_dropped_held_out"] = counts["synthetic_held_out"]
+    log.warning("data: dropped %d conversations the target wrote whose prompt is a held-out or "
+                "validation prompt", counts["synthetic_held_out"])
   if val:
     stats.update(stats_val)
   if stats["dropped_no_anchor"]:
@@ -485,12 +492,21 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   return ds
 
 
-def _documents(file, tokenizer, convs: list[dict], max_tokens: int | None, regenerate
-               ) -> tuple[list, int, int | None]:
+def _documents(file, tokenizer, convs: list[dict], max_tokens: int | None, regenerate,
+               counts: dict | None = None) -> tuple[list, int, int | None]:
   """Conversations -> (documents, number truncated, number regenerated or None): the target's
-  records when `regenerate` is given, else the chat template over the conversations' own text."""
+  records when `regenerate` is given, else the chat template over the conversations' own text.
+  counts["exclude"]: normalised prompts (_normal) that records of synthetic conversations (ids
+  "synthetic-...", which `regenerate` adds) may not start with; how many were dropped goes to
+  counts["synthetic_held_out"]."""
   if regenerate is not None:
     records = regenerate(convs)
+    exclude = (counts or {}).get("exclude")
+    if exclude:
+      kept = [r for r in records if not (str(r.get("id", "")).startswith("synthetic-")
+                                         and _normal(_first_user(r["messages"]) or "") in exclude)]
+      counts["synthetic_held_out"] = len(records) - len(kept)
+      records = kept
     docs, truncated = token_documents(records, max_tokens)
     return docs, truncated, len(records)
   docs, truncated = [], 0
@@ -502,6 +518,15 @@ def _documents(file, tokenizer, convs: list[dict], max_tokens: int | None, regen
       raise DataError(f"{file}: conversations {batch[0]['id']}..{batch[-1]['id']}: {e}") from None
     docs, truncated = docs + d, truncated + t
   return docs, truncated, None
+
+
+def _first_user(messages) -> str | None:
+  return next((m["content"] for m in messages if m["role"] == "user"), None)
+
+
+def _normal(text: str) -> str:
+  """Case and whitespace folded: how two prompts are compared."""
+  return " ".join(text.lower().split())
 
 
 def token_documents(records: Sequence[dict], max_tokens: int | None

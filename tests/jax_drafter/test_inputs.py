@@ -46,20 +46,26 @@ def test_synthetic_prompts_join_the_training_conversations_only(tiny_target_dir,
   from bridge import synthetic_prompts as sp
   calls = []
 
-  def fake(model, tokenizer, s, *, fingerprint, cache_path, progress=True):
-    calls.append((s.count, s.temperature, cache_path))
-    return [{"id": f"synthetic-0-{i}", "messages": [{"role": "user", "content": text},
-                                                    {"role": "assistant", "content": ""}]}
-            for i, text in enumerate(["What is a drafter?", "Name three rivers.", "Hello!"])]
-  monkeypatch.setattr(sp, "synthesize", fake)
   common = ("data.regenerate=true", "data.regenerate_max_new_tokens=3", "data.validation=6",
             f"data.cache_dir={tmp_path}")
   _, _, base = inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample,
                                             str(tmp_path / "a"), *common))
+  # One message the target "wrote" is a held-out prompt (other case and spacing): it is dropped.
+  held = next(m["content"] for m in base.held_out[0]["messages"] if m["role"] == "user")
+
+  def fake(model, tokenizer, s, *, fingerprint, cache_path, progress=True):
+    calls.append((s.count, s.temperature, cache_path))
+    texts = ["What is a drafter?", "Name three rivers.", "Hello!", "  " + held.upper() + " "]
+    return [{"id": f"synthetic-0-{i}", "messages": [{"role": "user", "content": text},
+                                                    {"role": "assistant", "content": ""}]}
+            for i, text in enumerate(texts)]
+  monkeypatch.setattr(sp, "synthesize", fake)
   _, _, more = inputs.setup(tiny_run_config(tiny_target_dir, sharegpt_sample, str(tmp_path / "b"),
                                             *common, "data.synthetic_prompts=5",
                                             "data.synthetic_prompt_temperature=0.9"))
   assert calls == [(5, 0.9, str(tmp_path / "synthetic_prompts.jsonl"))]
   assert more.stats["train_conversations"] == base.stats["train_conversations"] + 3
+  assert more.stats["synthetic_dropped_held_out"] == 1
+  assert "synthetic_dropped_held_out" not in base.stats
   assert len(_answers_per_document(more.rows)) == len(_answers_per_document(base.rows)) + 3
   np.testing.assert_array_equal(more.val_rows["input_ids"], base.val_rows["input_ids"])
