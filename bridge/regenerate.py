@@ -359,17 +359,25 @@ def _open_sink(path: Path):
   return open(path, "a", encoding="utf-8")
 
 
-def _read_cache(path: Path) -> dict[str, dict]:
-  cache = {}
+def read_jsonl_cache(path: Path, take: Callable[[dict], None], again: str) -> None:
+  """Each record of an append-only JSONL cache to `take`; a line that does not parse or lacks
+  what `take` reads (cut by an interrupted run) is skipped with a warning naming the file, the
+  line and `again` (what is then made again)."""
   if not path.is_file():
-    return cache
+    return
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       try:
-        record = json.loads(line)
-        cache[record["key"]] = {k: record[k] for k in ("key", "id", "target", "messages",
-                                                       "input_ids", "assistant_spans")}
-      except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by an interrupted run
-        log.warning("regenerate: %s line %d is incomplete; that conversation is generated again",
-                    path, n)
+        take(json.loads(line))
+      except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        log.warning("%s line %d is incomplete; %s", path, n, again)
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+  cache = {}
+
+  def take(record):
+    cache[record["key"]] = {k: record[k] for k in ("key", "id", "target", "messages",
+                                                   "input_ids", "assistant_spans")}
+  read_jsonl_cache(path, take, "that conversation is generated again")
   return cache

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bridge import generation
-from bridge.regenerate import RegenerationError, _open_sink
+from bridge.regenerate import RegenerationError, _open_sink, read_jsonl_cache
 from bridge.target import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -131,15 +131,9 @@ def _conversations(chunks: dict[int, list], s: PromptSettings) -> list[dict]:
 
 def _read(path: Path, key: str) -> dict[int, list]:
   chunks = {}
-  if not path.is_file():
-    return chunks
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      try:
-        record = json.loads(line)
-        if record["key"] == key:
-          chunks[int(record["start"])] = list(record["texts"])
-      except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        log.warning("synthetic prompts: %s line %d is incomplete; that chunk is sampled again",
-                    path, n)
+
+  def take(record):
+    if record["key"] == key:
+      chunks[int(record["start"])] = list(record["texts"])
+  read_jsonl_cache(path, take, "that chunk of synthetic prompts is sampled again")
   return chunks
