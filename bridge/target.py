@@ -350,7 +350,6 @@ class FeatureCache:
     self.free_memory = free_memory
     self.rows: dict[bytes, torch.Tensor] = {}
     self.bytes, self.hits, self.misses, self.full = 0, 0, 0, False
-    self.max_host_bytes = host_bytes
     self.host_free_memory = host_free_memory or _host_memory
     self.host_rows: dict[bytes, torch.Tensor] = {}
     self.host_bytes, self.host_hits, self.host_full = 0, 0, host_bytes <= 0
@@ -358,23 +357,18 @@ class FeatureCache:
     self._slabs = _HostSlabs(int(host_bytes), host_slab_bytes, pin=self._pin, room=self._slab_room)
     self._probe = None                        # (free, total) of the device, read once per step
 
-  def _room(self, nbytes: int, taken: int, *, host: bool = False) -> str | None:
-    """None if a row of nbytes may be kept in the device tier (host: the host tier, whose
-    memory check is _slab_room's), else why not. taken: bytes that tier kept since its free
-    memory was last read (once per step)."""
-    used, limit, probe = ((self.host_bytes, self.max_host_bytes, None) if host
-                          else (self.bytes, self.max_bytes, self._probe))
-    if used + nbytes > limit:
-      setting = "target.feature_cache_host_gib" if host else "target.feature_cache_gib"
-      return f"full at {used / 2**30:.2f} GiB (raise {setting})"
-    if probe is not None:
-      free, total = probe
+  def _room(self, nbytes: int, taken: int) -> str | None:
+    """None if a row of nbytes may be kept in the device tier, else why not. taken: bytes kept
+    since the device's free memory was last read (once per step). The host tier's limits are
+    its slabs' (_HostSlabs, _slab_room)."""
+    if self.bytes + nbytes > self.max_bytes:
+      return f"full at {self.bytes / 2**30:.2f} GiB (raise target.feature_cache_gib)"
+    if self._probe is not None:
+      free, total = self._probe
       free -= taken
       if free - nbytes < self.reserve * total:
-        where = ("the machine has {:.1f} of {:.1f} GiB available" if host
-                 else "the device has {:.1f} of {:.1f} GiB free")
-        return (f"stopped at {used / 2**30:.2f} GiB: {where.format(free / 2**30, total / 2**30)}, "
-                f"and {self.reserve:.0%} stays free" + ("" if host else " for the drafter"))
+        return (f"stopped at {self.bytes / 2**30:.2f} GiB: the device has {free / 2**30:.1f} of "
+                f"{total / 2**30:.1f} GiB free, and {self.reserve:.0%} stays free for the drafter")
     return None
 
   def _slab_room(self, nbytes: int) -> str | None:
@@ -449,12 +443,7 @@ class FeatureCache:
                     "the rows not in it are computed every step")
       if self.host_full:
         break
-      why = self._room(nbytes, 0, host=True)
-      h = None
-      if why is None:
-        h = self._slabs.take(f.shape, f.dtype)
-        if h is None:
-          why = f"stopped at {self.host_bytes / 2**30:.2f} GiB: {self._slabs.why}"
+      h = self._slabs.take(f.shape, f.dtype)   # None past the limit or the machine's reserve
       if h is not None:
         # Asynchronous into pinned memory: the host goes on while the copy runs, and the row's
         # copy back in a later step is ordered after it on the same stream.
@@ -464,8 +453,9 @@ class FeatureCache:
       else:
         self.host_full = True
         self._slabs.close()
-        log.warning("target feature cache in host memory %s; the rows in neither tier are "
-                    "computed every step", why)
+        log.warning("target feature cache in host memory stopped at %.2f GiB: %s; the rows in "
+                    "neither tier are computed every step", self.host_bytes / 2**30,
+                    self._slabs.why)
     self.misses += len(todo)
     self.hits += len(keys) - len(todo)
     self.host_hits += host_hits
