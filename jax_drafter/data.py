@@ -451,14 +451,16 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
   max_tokens = seq_len if pack_mode == "truncate" else None
   # Conversations the target wrote itself (data.synthetic_prompts) must not hold an evaluation
   # prompt: one whose first user message is a held-out or validation one is dropped.
-  counts = {"exclude": {_normal(u) for c in held + val if (u := _first_user(c["messages"]))}}
-  docs, truncated, regenerated = _documents(file, tokenizer, train, max_tokens, regenerate, counts)
+  exclude = {_normal(u) for c in held + val if (u := _first_user(c["messages"]))}
+  docs, truncated, regenerated, dropped = _documents(file, tokenizer, train, max_tokens, regenerate,
+                                                     exclude)
   if regenerated is not None:
     train = []
   rows, stats = pack_documents(docs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
   val_rows = None
   if val:
-    vdocs, _, _ = _documents(file, tokenizer, val, max_tokens, regenerate_validation or regenerate)
+    vdocs, _, _, _ = _documents(file, tokenizer, val, max_tokens,
+                                regenerate_validation or regenerate)
     val_rows, vstats = pack_documents(vdocs, seq_len, pad_id=_pad_id(tokenizer), mode=pack_mode)
     if not vstats["rows"]:
       raise DataError(f"{file}: the {len(val)} validation conversations gave no row with an "
@@ -473,10 +475,10 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
            "documents_tokenized": len(docs), **stats}
   if regenerated is not None:
     stats["regenerated"] = True
-  if counts.get("synthetic_held_out"):
-    stats["synthetic_dropped_held_out"] = counts["synthetic_held_out"]
+  if dropped:
+    stats["synthetic_dropped_held_out"] = dropped
     log.warning("data: dropped %d conversations the target wrote whose prompt is a held-out or "
-                "validation prompt", counts["synthetic_held_out"])
+                "validation prompt", dropped)
   if val:
     stats.update(stats_val)
   if stats["dropped_no_anchor"]:
@@ -493,22 +495,17 @@ def build_dataset(tokenizer, data_path: str | os.PathLike, seq_len: int, *,
 
 
 def _documents(file, tokenizer, convs: list[dict], max_tokens: int | None, regenerate,
-               counts: dict | None = None) -> tuple[list, int, int | None]:
-  """Conversations -> (documents, number truncated, number regenerated or None): the target's
-  records when `regenerate` is given, else the chat template over the conversations' own text.
-  counts["exclude"]: normalised prompts (_normal) that records of synthetic conversations (ids
-  "synthetic-...", which `regenerate` adds) may not start with; how many were dropped goes to
-  counts["synthetic_held_out"]."""
+               exclude: frozenset | set = frozenset()) -> tuple[list, int, int | None, int]:
+  """Conversations -> (documents, number truncated, number regenerated or None, number dropped):
+  the target's records when `regenerate` is given, else the chat template over the
+  conversations' own text. exclude: normalised prompts (_normal) that records of synthetic
+  conversations (ids "synthetic-...", which `regenerate` adds) may not start with (dropped)."""
   if regenerate is not None:
     records = regenerate(convs)
-    exclude = (counts or {}).get("exclude")
-    if exclude:
-      kept = [r for r in records if not (str(r.get("id", "")).startswith("synthetic-")
-                                         and _normal(_first_user(r["messages"]) or "") in exclude)]
-      counts["synthetic_held_out"] = len(records) - len(kept)
-      records = kept
-    docs, truncated = token_documents(records, max_tokens)
-    return docs, truncated, len(records)
+    kept = [r for r in records if not (str(r.get("id", "")).startswith("synthetic-")
+                                       and _normal(_first_user(r["messages"]) or "") in exclude)]
+    docs, truncated = token_documents(kept, max_tokens)
+    return docs, truncated, len(kept), len(records) - len(kept)
   docs, truncated = [], 0
   for chunk in range(0, len(convs), 512):  # bounded memory for the offsets of the full file
     batch = convs[chunk:chunk + 512]
@@ -517,7 +514,7 @@ def _documents(file, tokenizer, convs: list[dict], max_tokens: int | None, regen
     except DataError as e:
       raise DataError(f"{file}: conversations {batch[0]['id']}..{batch[-1]['id']}: {e}") from None
     docs, truncated = docs + d, truncated + t
-  return docs, truncated, None
+  return docs, truncated, None, 0
 
 
 def _first_user(messages) -> str | None:
