@@ -62,6 +62,11 @@ class TargetDecoder:
   def length(self) -> int:
     return 0 if self.cache is None else int(self.cache.get_seq_length())
 
+  @property
+  def kind(self) -> str:
+    """How this decoder runs the target (evaluation reports it beside its speeds)."""
+    return "with a dynamic KV cache, eager"
+
   def _run(self, capture: bool, last_only: bool, **inputs):
     """The target's forward over self.cache -> (its output, {layer id: that layer's output} for
     the captured layers when `capture`)."""
@@ -167,6 +172,10 @@ class StaticTargetDecoder(TargetDecoder):
   @property
   def length(self) -> int:
     return self._len
+
+  @property
+  def kind(self) -> str:
+    return "with a static KV cache, " + ("CUDA graphs" if self.cuda_graph else "eager")
 
   def _call(self, ids_t, pos, *, capture: bool, last_only: bool):
     """The eager forward at positions `pos` ([1, n]). -> (raw logits, captured)."""

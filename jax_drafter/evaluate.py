@@ -301,14 +301,7 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
       taus = [r["tau"] for r in rows if r["tau"] is not None]
       it.set_postfix(tau=f"{np.mean(taus):.2f}" if taus else "-")
   return summarize(rows, block_size=K, max_new_tokens=max_new_tokens, temperature=temperature,
-                   target_name=target.name, arbiter=arbiter.kind, decoder=_decoder_name(decoder))
-
-
-def _decoder_name(decoder) -> str:
-  if isinstance(decoder, spec_decode.StaticTargetDecoder):
-    return ("with a static KV cache, CUDA graphs" if decoder.cuda_graph
-            else "with a static KV cache, eager")
-  return "with a dynamic KV cache, eager"
+                   target_name=target.name, arbiter=arbiter.kind, decoder=decoder.kind)
 
 
 def prompt_key(ids) -> str:

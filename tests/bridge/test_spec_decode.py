@@ -202,9 +202,11 @@ def test_static_decoder_equals_the_dynamic_one(tiny_llama, graphed, monkeypatch)
   dyn = spec_decode.TargetDecoder(target, (0, 1))
   sta = spec_decode.StaticTargetDecoder(target, (0, 1), max_len=40)
   assert sta.max_len == 64 and not sta.cuda_graph          # no CUDA here
+  assert dyn.kind == "with a dynamic KV cache, eager" and sta.kind == "with a static KV cache, eager"
   if graphed:
     monkeypatch.setattr(generation, "capture_graph", _capture_on_cpu)
     sta.cuda_graph = True
+    assert sta.kind == "with a static KV cache, CUDA graphs"
   for a, b in zip(dyn.prefill(PROMPT), sta.prefill(PROMPT)):
     torch.testing.assert_close(b, a)
   for block, keep in (([7, 8, 9, 10], 8), ([11, 12, 13, 14], 12), ([1, 2, 3, 4], 9)):
