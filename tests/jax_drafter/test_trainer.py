@@ -241,8 +241,13 @@ def test_validation_reports_where_the_feature_cache_keeps_the_rows(tiny_target_d
                                 "data.max_conversations=12", "target.feature_cache_host_gib=0.5"))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("feature cache")]
   assert len(lines) == 1, lines
-  assert lines[0].startswith("feature cache: 0 rows on the device (0.00 GiB), ")
-  assert " in host memory " in lines[0] and "by the target" in lines[0]
+  import re
+  m = re.fullmatch(r"feature cache: 0 rows on the device \(0\.00 GiB\), (\d+) in host memory "
+                   r"\([\d.]+ GiB\); rows served so far: 0 from the device, (\d+) from host "
+                   r"memory, (\d+) by the target", lines[0])
+  assert m, lines[0]
+  kept, host_hits, computed = map(int, m.groups())
+  assert kept > 0 and computed == kept   # each row computed once, then kept in the host tier
 
 
 def test_validation_rows_are_never_trained_on_and_give_the_same_curve_on_resume(
