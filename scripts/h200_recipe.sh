@@ -9,14 +9,17 @@
 # (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
 #   split -b 49181216 <the GGUF> /tmp/gguf_part_ && mv /tmp/gguf_part_aa .gpu_a/gguf.part0 &&
 #   mv /tmp/gguf_part_ab .gpu_b/gguf.part1
-#   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_a/sharegpt_user_turns.jsonl.gz
+#   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_u/sharegpt_user_turns.jsonl.gz
+# (the turns and .gpu_a together with the tracked files exceed a call's 64 MiB: carry .gpu_u in a
+# "stage" call of its own or beside .gpu_c)
 # Calls (back to back, each with timeout_s=600):
-#   stage    carry .gpu_a and .whl: wheels, the GGUF's first half and the data to /tmp/dflash
+#   stage    carry .gpu_a and .whl: wheels and the GGUF's first half to /tmp/dflash; carry .gpu_u
+#            (the user turns) in the call carrying .gpu_c, or alone
 #            (then STAGE_CHECKS="part ..." of scripts/h200_checks.sh, if set); again with carry
 #            .gpu_c to restore earlier regenerated answers
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
-#   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl and then .gpu_d: only the
+#   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl, .gpu_u and .gpu_d: only the
 #            held-out evaluation, of a drafter whose machine was lost after training
 # Each call copies the logs, metrics and results written so far to $OUT.
 # The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
@@ -25,7 +28,7 @@
 # "launch"; .gpu_b + .gpu_c exceed one call's 64 MiB) restores them, so its regeneration finds
 # every conversation cached. When training ends, the drafter (its export/ and config.json, xz
 # parts drafter-ARM.xz.part_*, ~65 MB) comes back the same way: kept in .gpu_d, a later chain
-# stage (.gpu_a .whl) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
+# stage (.gpu_a .whl) -> stage (.gpu_u) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
 # (`jax_drafter.evaluate --run-dir R --export`). Each set of parts comes back once.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
@@ -99,15 +102,19 @@ watch() {
 }
 
 case "${1:-}" in
-  stage)      # copies whatever of .whl, .gpu_a and .gpu_c this call carries (several calls may stage)
+  stage)      # copies whatever of .whl, .gpu_a, .gpu_u, .gpu_c and .gpu_d this call carries
     if [ -d .whl ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/site .whl/*.whl || exit 1
     fi
-    if [ -d .gpu_a ]; then
-      cp .gpu_a/gguf.part0 "$D/gguf.part0"
-      gunzip -c .gpu_a/sharegpt_user_turns.jsonl.gz > "$D/sharegpt_user_turns.jsonl"
-    fi
+    # The GGUF's first half (.gpu_a) and the user turns (.gpu_u), from whichever call carries
+    # them; an earlier call's folders may still be on the machine.
+    [ -f .gpu_a/gguf.part0 ] && { cp .gpu_a/gguf.part0 "$D/gguf.part0" || exit 1; }
+    for f in .gpu_*/sharegpt_user_turns.jsonl.gz; do
+      [ -f "$f" ] || continue
+      gunzip -c "$f" > "$D/sharegpt_user_turns.jsonl.tmp" &&
+          mv "$D/sharegpt_user_turns.jsonl.tmp" "$D/sharegpt_user_turns.jsonl" || exit 1
+    done
     if ls .gpu_d/drafter-*.xz.part_* > /dev/null 2>&1; then   # a drafter of a lost machine
       rm -rf "$D/runs/restored" && mkdir -p "$D/runs/restored"
       cat .gpu_d/drafter-*.xz.part_* | xz -dc | tar x -C "$D/runs/restored" || exit 1
@@ -123,7 +130,7 @@ case "${1:-}" in
     [ -z "${STAGE_CHECKS:-}" ] || OUT=$OUT LIMIT=$(( $(left) - 10 )) bash scripts/h200_checks.sh $STAGE_CHECKS ;;
   launch|evaluate)   # evaluate: only the held-out evaluation of the drafter "stage" restored
     [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
-      echo "no $D/gguf.part0: the machine went cold; run 'stage' first"; exit 3; }
+      echo "no $D/gguf.part0 or user turns: the machine went cold or a 'stage' call (.gpu_a, .gpu_u) is missing"; exit 3; }
     [ "$1" = launch ] || [ -f "$D/runs/restored/config.json" ] || {
       echo "no restored drafter: run 'stage' carrying .gpu_d first"; exit 3; }
     mkdir -p "$D/smollm2" "$D/cache"
