@@ -31,7 +31,9 @@
 # stage (.gpu_a .whl) -> stage (.gpu_u) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
 # (`jax_drafter.evaluate --run-dir R --export`). Each set of parts comes back once.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
-# pipeline's start until training must end: regeneration + training, default 1140), EVAL_ARGS
+# pipeline's start until training must end: regeneration + training, default 1140; with the
+# dataset's greedy answers restored from .gpu_c, 920 keeps the 20 minutes: their regeneration
+# from scratch took 354 s with start-up, benchmarks/h200-2026-12-02d-faster-regen), EVAL_ARGS
 # (jax_drafter.evaluate's, default all 64 held-out prompts of 128 new tokens: a graphed verify
 # step is 3.9 ms against 58 ms eager, a whole evaluation with it not yet timed; earlier runs took
 # the first 32, `jax_drafter.tools.compare --first 32` pairs the two), LIMIT (the call's seconds,
