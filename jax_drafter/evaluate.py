@@ -152,12 +152,19 @@ def encode(tokenizer, prompt) -> list[int]:
 
 
 class _JaxProposer:
-  """spec_decode.Proposer over a DrafterSession: target features cross to JAX through DLPack."""
+  """spec_decode.Proposer over a DrafterSession: target features cross to JAX through DLPack.
 
-  def __init__(self, session: DrafterSession, max_len: int, seed: int, device=None):
-    self.session, self.max_len, self.device = session, max_len, device
+  fuse=True: a verify step's accepted features are held until the next proposal and appended in
+  the same compiled call (DrafterSession.extend_and_propose): one JAX dispatch and one wait a step
+  instead of two. The torch tensor stays alive (and unwritten: no verify runs in between) until
+  that call's results are read."""
+
+  def __init__(self, session: DrafterSession, max_len: int, seed: int, device=None, *,
+               fuse: bool = True):
+    self.session, self.max_len, self.device, self.fuse = session, max_len, device, fuse
     self.key = jax.random.key(seed)
     self.steps = 0
+    self._pending = None   # (features of the last verify block, accepted + 1) not yet appended
 
   def _put(self, feats, count):
     h = Handoff()
@@ -166,17 +173,28 @@ class _JaxProposer:
     h.release_after(self.session.cache)  # torch may reuse the buffer only after JAX read it
 
   def start(self, feats):
+    self._pending = None
     self.session.reset(self.max_len)
     self._put(feats, None)
 
   def extend(self, feats, count):
-    self._put(feats, count)
+    if self.fuse and feats.shape[0] == self.session.block_size:
+      self._pending = (feats, count)
+    else:
+      self._put(feats, count)
 
   def propose(self, last_token, temperature):
     self.steps += 1
     greedy = self.session.temperature <= 0  # the key is unused: skip one dispatch per step
-    return self.session.propose(
-        last_token, self.key if greedy else jax.random.fold_in(self.key, self.steps))
+    key = self.key if greedy else jax.random.fold_in(self.key, self.steps)
+    if self._pending is None:
+      return self.session.propose(last_token, key)
+    (feats, count), self._pending = self._pending, None
+    h = Handoff()
+    out = self.session.extend_and_propose(
+        h.put(feats, name="target features", device=self.device), count, last_token, key)
+    h.release_after(self.session.cache)   # out is on the host already: this returns at once
+    return out
 
 
 DECODERS = ("auto", "static", "dynamic")

@@ -84,29 +84,46 @@ def _propose(graphdef, params, cache, n, noise_ids_K, embed_VxD, lm_head_VxD, ke
           jax.nn.softmax(scaled, axis=-1))
 
 
+def _extend_propose(graphdef, params, cache, n, feats_CxF, count, last_token, mask_token_id,
+                    embed_VxD, lm_head_VxD, key, *, attn_impl: dict, temperature: float, K: int):
+  """One verify step's drafter work in one call: append the accepted positions' features
+  (`count` of the C rows, at n..) and propose the next block [last_token, MASK, ...] at n + count.
+  -> (cache, draft ids [K-1], draft probabilities or None)."""
+  cache = _extend(graphdef, params, cache, n, feats_CxF)
+  noise = jnp.full((K,), mask_token_id, jnp.int32).at[0].set(last_token)
+  ids, probs = _propose(graphdef, params, cache, n + count, noise, embed_VxD, lm_head_VxD, key,
+                        attn_impl=attn_impl, temperature=temperature)
+  return cache, ids, probs
+
+
 @functools.lru_cache(maxsize=16)
-def _compiled(graphdef, impl: tuple, temperature: float):
-  """Jitted (extend, block_hidden, propose), shared by sessions of one architecture: evaluating
-  again (every M training steps) reuses the compiled code instead of tracing anew."""
+def _compiled(graphdef, impl: tuple, temperature: float, K: int):
+  """Jitted (extend, block_hidden, propose, extend_propose), shared by sessions of one
+  architecture: evaluating again (every M training steps) reuses the compiled code instead of
+  tracing anew."""
   attn_impl = dict(impl)
   # The cache is donated: each extend writes C rows in place instead of copying [L, M, Hkv, Dh]
   # twice (K and V). It is created by JAX here, never a DLPack import, so donation is safe.
   return (jax.jit(functools.partial(_extend, graphdef), donate_argnums=(1,)),
           jax.jit(functools.partial(_block_hidden, graphdef, attn_impl=attn_impl)),
           jax.jit(functools.partial(_propose, graphdef, attn_impl=attn_impl,
-                                    temperature=temperature)))
+                                    temperature=temperature)),
+          jax.jit(functools.partial(_extend_propose, graphdef, attn_impl=attn_impl,
+                                    temperature=temperature, K=K), donate_argnums=(1,)))
 
 
 class DrafterSession:
   """Proposal state of one sequence. Arrays in, numpy out; no torch here.
 
-  Usage: s.reset(max_len); s.extend(prompt_features, T); loop { s.propose(last); ...;
-  s.extend(block_features, accepted + 1) }.
+  Usage: s.reset(max_len); s.extend(prompt_features, T); s.propose(last); loop { verify ...;
+  s.extend_and_propose(block_features, accepted + 1, new_last) } (or extend, then propose).
   """
 
   def __init__(self, cfg: DrafterConfig, graphdef, params, embed_VxD, lm_head_VxD, *,
                block_size: int | None = None, attn_impl: dict | None = None,
-               temperature: float = 0.0):
+               temperature: float = 0.0, prefill_chunk: int = 256):
+    """prefill_chunk: rows a call appends when more than one block's are given (a prompt): one
+    compiled shape for every prompt length, a 1000-token prompt in 4 calls instead of 63."""
     self.cfg = cfg
     self.block_size = block_size or cfg.block_size
     if not 2 <= self.block_size <= cfg.block_size:
@@ -114,19 +131,22 @@ class DrafterSession:
                        f"(the drafter was trained with block_size={cfg.block_size})")
     self.params, self.embed, self.lm_head = params, embed_VxD, lm_head_VxD
     self.temperature = float(temperature)
+    self.prefill_chunk = max(int(prefill_chunk), self.block_size)
     model = nnx.merge(graphdef, params)
     layer0 = model.layers[0].self_attn
     self._kv_shape = layer0.shape[1:]
     self._dtype = model.compute_dtype
     # The inference block is one block over a short context: the dense-mask XLA path is cheap.
     impl = tuple(sorted((attn_impl or {"implementation": "xla"}).items()))
-    self._extend, self._hidden, self._propose = _compiled(graphdef, impl, self.temperature)
+    self._extend, self._hidden, self._propose, self._extend_propose = _compiled(
+        graphdef, impl, self.temperature, self.block_size)
     self.cache: ContextCache | None = None
     self.length = 0
 
   def reset(self, max_len: int) -> None:
-    """Empty context with room for max_len positions (rounded up to a power of two)."""
-    L, M = self.cfg.num_hidden_layers, bucket(max_len + self.block_size)
+    """Empty context with room for max_len positions (rounded up to a power of two, with room
+    for a last prefill chunk's padding rows)."""
+    L, M = self.cfg.num_hidden_layers, bucket(max_len + self.prefill_chunk)
     shape = (L, M) + tuple(self._kv_shape)
     self.cache = ContextCache(jnp.zeros(shape, self._dtype), jnp.zeros(shape, self._dtype))
     self.length = 0
@@ -140,15 +160,40 @@ class DrafterSession:
     count = feats_RxF.shape[0] if count is None else count
     if not 0 <= count <= feats_RxF.shape[0]:
       raise ValueError(f"{count=} must be in [0, {feats_RxF.shape[0]}] (rows of the features)")
-    C = self.block_size
+    # A verify block's rows in one block-sized call, more (a prompt) in prefill-sized chunks:
+    # two compiled shapes in all.
+    C = self.block_size if feats_RxF.shape[0] <= self.block_size else self.prefill_chunk
     pad = (-feats_RxF.shape[0]) % C
     feats = jnp.pad(feats_RxF, ((0, pad), (0, 0))) if pad else feats_RxF
     for c in range(0, count, C):
-      if self.length + C > self.max_len:  # rare: recompiles for the doubled shape
-        grow = ((0, 0), (0, self.max_len), (0, 0), (0, 0))
-        self.cache = ContextCache(*(jnp.pad(x, grow) for x in self.cache))
+      self._room(C)
       self.cache = self._extend(self.params, self.cache, jnp.int32(self.length), feats[c:c + C])
       self.length += min(C, count - c)
+
+  def _room(self, rows: int) -> None:
+    """Grow the cache until `rows` more fit (rare: recompiles for each new shape). A write past
+    the end would not fail: XLA clamps dynamic_update_slice's start and overwrites earlier rows."""
+    while self.length + rows > self.max_len:
+      grow = ((0, 0), (0, self.max_len), (0, 0), (0, 0))
+      self.cache = ContextCache(*(jnp.pad(x, grow) for x in self.cache))
+
+  def extend_and_propose(self, feats_CxF, count: int, last_token: int, key=None):
+    """extend(feats_CxF, count) then propose(last_token) in one compiled call (one dispatch and
+    one wait a verify step instead of two): feats_CxF has exactly block_size rows (a verify
+    block's features), of which the first `count` are appended. -> as propose."""
+    C = self.block_size
+    if feats_CxF.shape[0] != C:
+      raise ValueError(f"extend_and_propose takes the {C} rows of one verify block, got "
+                       f"{feats_CxF.shape[0]}; use extend() for other lengths")
+    if not 0 <= count <= C:
+      raise ValueError(f"{count=} must be in [0, {C}] (rows of the features)")
+    self._room(C)
+    key = jax.random.key(0) if key is None else key
+    self.cache, ids, probs = self._extend_propose(
+        self.params, self.cache, np.int32(self.length), feats_CxF, np.int32(count),
+        np.int32(last_token), np.int32(self.cfg.mask_token_id), self.embed, self.lm_head, key)
+    self.length += count
+    return np.asarray(ids), None if probs is None else np.asarray(probs)
 
   def _noise(self, last_token: int):
     ids = np.full((self.block_size,), self.cfg.mask_token_id, np.int32)

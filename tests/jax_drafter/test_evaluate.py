@@ -94,6 +94,15 @@ def test_lossless_untrained_drafter(tiny_target):
   gen = spec_decode.speculative_generate(dec, proposer, ids, max_new_tokens=12, block_size=4)
   assert gen.tokens == greedy_reference(tiny_target.model, ids, 12)
   assert sum(a + 1 for a in gen.accepted) >= 11  # every verify step added acc + 1 tokens
+  # Appending a step's features in the next proposal's call (the default) drafts what appending
+  # them on their own does, step by step.
+  drafts = {}
+  for fuse in (True, False):
+    p = evaluate._JaxProposer(session, len(ids) + 40, seed=0, fuse=fuse)
+    seen = drafts[fuse] = []
+    p.propose = (lambda f: lambda *a: seen.append(f(*a)[0].tolist()) or (seen[-1], None))(p.propose)
+    spec_decode.speculative_generate(dec, p, ids, max_new_tokens=12, block_size=4)
+  assert drafts[True] == drafts[False] and len(drafts[True]) == len(gen.accepted)
 
 
 class OracleProposer:

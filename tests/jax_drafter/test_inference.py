@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jax_drafter.inference import DrafterSession
@@ -45,9 +46,14 @@ def test_inference_proposal_equals_drafter_forward(block_size=3):
   want_ids = np.argmax(np.asarray(want[1:]) @ np.asarray(lm_head).T, -1)
   np.testing.assert_array_equal(draft, want_ids)
   assert probs is None
-  # Static shapes: more steps of other lengths reuse the compiled functions.
-  sizes = session._extend._cache_size(), session._propose._cache_size()
+  # Static shapes: one block's rows and a prefill chunk are the two shapes of extend; more steps
+  # and prompts of other lengths reuse the compiled functions.
   session.extend(feats[:K], 1)
+  sizes = session._extend._cache_size(), session._propose._cache_size()
+  assert sizes == (2, 1)
+  session.extend(feats[:K], 2)
+  session.extend(feats[:K - 1])
+  session.extend(feats[:11], 7)
   session.propose(3)
   assert (session._extend._cache_size(), session._propose._cache_size()) == sizes
 
@@ -68,3 +74,61 @@ def test_sampling_proposal_is_a_distribution():
   want /= want.sum(-1, keepdims=True)
   np.testing.assert_allclose(probs, want, atol=1e-5)
   assert np.all((0 <= ids) & (ids < VOCAB))
+
+
+def test_extend_and_propose_equals_extend_then_propose():
+  """The fused verify-step call appends the same context and proposes the same block, including
+  when the context must grow past its padded length, and takes exactly one verify block."""
+  cfg, graphdef, params = tiny_drafter(block_size=4, seed=2)
+  rng = np.random.default_rng(5)
+  F, K = 2 * cfg.hidden_size, cfg.block_size
+  feats = jnp.asarray(rng.normal(size=(40, F)), jnp.float32)
+  embed = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  lm_head = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  # Sampling sessions: the proposal's whole distribution is compared, not only its argmax.
+  a = DrafterSession(cfg, graphdef, params, embed, lm_head, temperature=0.7)
+  b = DrafterSession(cfg, graphdef, params, embed, lm_head, temperature=0.7)
+  for s in (a, b):
+    s.reset(6)                # 64 positions: the steps below grow it
+    s.extend(feats[:7])
+  pos, steps = 7, 0
+  for count, last in [(1, 3), (4, 9), (2, 5)] * 9:
+    block = feats[pos % 30:pos % 30 + K]
+    key = jax.random.key(steps)
+    a.extend(block, count)
+    want, want_p = a.propose(last, key)
+    got, got_p = b.extend_and_propose(block, count, last, key)
+    np.testing.assert_allclose(got_p, want_p, **TOL)
+    np.testing.assert_array_equal(got, want)
+    assert a.length == b.length == pos + count
+    pos, steps = pos + count, steps + 1
+  assert b.max_len == a.max_len > 64                      # grew on the way
+  np.testing.assert_allclose(np.asarray(b.cache.k_LxMxHkvxDh), np.asarray(a.cache.k_LxMxHkvxDh),
+                             **TOL)
+  with pytest.raises(ValueError, match="rows of one verify block"):
+    b.extend_and_propose(feats[:K - 1], 1, 3)
+  with pytest.raises(ValueError, match="count=5"):
+    b.extend_and_propose(feats[:K], 5, 3)
+
+
+def test_prompt_in_prefill_chunks_equals_block_chunks_and_grows_the_cache():
+  """A prompt appended in prefill-sized chunks (padded, the cache doubled twice on the way) gives
+  the context that block-sized chunks give."""
+  cfg, graphdef, params = tiny_drafter(block_size=4, seed=3)
+  rng = np.random.default_rng(6)
+  F = 2 * cfg.hidden_size
+  feats = jnp.asarray(rng.normal(size=(200, F)), jnp.float32)
+  embed = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  lm_head = jnp.asarray(rng.normal(size=(VOCAB, cfg.hidden_size)), jnp.float32)
+  by_block = DrafterSession(cfg, graphdef, params, embed, lm_head, prefill_chunk=1)  # = block
+  by_chunk = DrafterSession(cfg, graphdef, params, embed, lm_head, prefill_chunk=48)
+  assert by_block.prefill_chunk == 4
+  for s in (by_block, by_chunk):
+    s.reset(4)
+    s.extend(feats[:150])         # 150 = 3 x 48 + 6: the last chunk is mostly padding
+  assert by_chunk.length == by_block.length == 150 and by_chunk.max_len == 256
+  n = 150
+  np.testing.assert_allclose(np.asarray(by_chunk.cache.v_LxMxHkvxDh[:, :n]),
+                             np.asarray(by_block.cache.v_LxMxHkvxDh[:, :n]), **TOL)
+  np.testing.assert_allclose(np.asarray(by_chunk.block_hidden(5)),
+                             np.asarray(by_block.block_hidden(5)), **TOL)

@@ -1,0 +1,176 @@
+"""Where one speculative-decoding step's time goes on a GPU: the drafter's proposal (JAX), the
+target's verify forward (the static-cache decoder in CUDA graphs, as `jax_drafter.evaluate` runs
+it), acceptance, the cache crop and the hand-off of the accepted positions' features to the
+drafter (DLPack + the drafter's context extension), against one token of the target alone.
+
+A target of SmolLM2-135M's shapes and a drafter of configs/smollm2-h200.yaml's shapes, both with
+random weights in bf16 (the costs do not depend on the weights; a random drafter's drafts are
+rejected, so every step makes one token and the context grows by one position a step).
+
+  python scripts/bench_spec_step.py [--prompt-len 200] [--new 128] [--prompts 4] [--max-len N] [--json F]
+
+Reports medians over all steps of --prompts prompts: each phase timed alone (synchronised before
+and after, so their sum exceeds the unsynchronised step), the whole step as `evaluate` runs it
+(speculative_generate, no extra synchronisation), and the target's own decode step; for the
+drafter's two ways of taking a step's features: "fused" (evaluate's default: appended in the next
+proposal's compiled call) and "separate" (appended in a call of their own, then the proposal),
+and for the prompt's features appended in chunks of 256 rows (the default) or of one block
+("prompt in blocks", as before: a 1000-token prompt took 63 calls).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+from flax import nnx
+
+from bench_generation import smollm2_shaped_model  # scripts/ is on the path when run as a script
+from bridge import spec_decode
+from bridge.handoff import Handoff, import_frozen
+from bridge.target import Target
+from jax_drafter.config import load_config, resolve_drafter
+from jax_drafter.evaluate import _JaxProposer
+from jax_drafter.inference import DrafterSession
+from jax_drafter.model import Drafter
+
+
+class _Tokenizer:
+  def __len__(self):
+    return 49152
+
+
+def _sync():
+  if torch.cuda.is_available():
+    torch.cuda.synchronize()
+
+
+class _Timer:
+  """Synchronised wall time of each call, by phase name."""
+
+  def __init__(self):
+    self.ms = {}
+
+  def __call__(self, name, fn, *a, **kw):
+    _sync()
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    jax.block_until_ready([x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)])
+    _sync()
+    self.ms.setdefault(name, []).append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+class _TimedDecoder:
+  def __init__(self, dec, timer):
+    self.dec, self.t = dec, timer
+
+  def __getattr__(self, k):
+    return getattr(self.dec, k)
+
+  def verify(self, ids, **kw):
+    return self.t("verify (target, K tokens)", self.dec.verify, ids, **kw)
+
+  def crop(self, n):
+    return self.t("crop", self.dec.crop, n)
+
+
+class _TimedProposer:
+  def __init__(self, p, timer):
+    self.p, self.t = p, timer
+
+  def start(self, feats):
+    return self.p.start(feats)
+
+  def extend(self, feats, count):
+    return self.t("extend (hand-off + drafter context)", self.p.extend, feats, count)
+
+  def propose(self, last, temperature):
+    return self.t("propose (drafter)", self.p.propose, last, temperature)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--prompt-len", type=int, default=200)
+  ap.add_argument("--new", type=int, default=128)
+  ap.add_argument("--prompts", type=int, default=4)
+  ap.add_argument("--max-len", type=int, default=None,
+                  help="positions the caches are sized for (evaluate sizes them for its longest "
+                       "prompt + new tokens + a block; default: this prompt's)")
+  ap.add_argument("--json")
+  a = ap.parse_args()
+
+  if torch.cuda.is_available():
+    model = smollm2_shaped_model()
+  else:  # a smoke run of the script's logic on a CPU: the same shapes in float32, eager
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
+  target = Target(model, _Tokenizer(), "smollm2-shaped")
+  cfg = load_config("configs/smollm2-h200.yaml")
+  dcfg = resolve_drafter(cfg.drafter, target.info, mask_token_id=49151)
+  K = dcfg.block_size
+  graphdef, params = nnx.split(Drafter(dcfg, rngs=nnx.Rngs(0), compute_dtype=jnp.bfloat16),
+                               nnx.Param)
+  keep = Handoff()
+  frozen = import_frozen(target.embedding, target.lm_head, keep)
+  session = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
+                           block_size=K)
+  max_len = a.max_len or a.prompt_len + a.new + K
+  by_block = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
+                            block_size=K, prefill_chunk=K)
+  proposers = {"fused": _JaxProposer(session, max_len, seed=0),   # evaluate's default
+               "separate": _JaxProposer(session, max_len, seed=0, fuse=False),
+               "fused, prompt in blocks": _JaxProposer(by_block, max_len, seed=0)}
+  decoder = spec_decode.StaticTargetDecoder(target, dcfg.target_layer_ids, max_len=max_len)
+  g = torch.Generator().manual_seed(1)
+  prompts = [torch.randint(3, 49000, (a.prompt_len,), generator=g).tolist()
+             for _ in range(a.prompts + 1)]
+  kw = dict(max_new_tokens=a.new, block_size=K, eos_ids=())
+
+  for proposer in proposers.values():                                        # warm-up, compiles
+    spec_decode.speculative_generate(decoder, proposer, prompts[0], **kw)
+  spec_decode.target_generate(decoder, prompts[0], max_new_tokens=8)
+  whole, target_tok = {name: [] for name in proposers}, []
+  for p in prompts[1:]:
+    for name, proposer in proposers.items():
+      gen = spec_decode.speculative_generate(decoder, proposer, p, **kw)
+      whole[name].append(1e3 * gen.seconds / len(gen.accepted))
+    ref = spec_decode.target_generate(decoder, p, max_new_tokens=a.new)
+    target_tok.append(1e3 * ref.seconds / len(ref.tokens))
+
+  phases = {}
+  accept = spec_decode.accept
+  try:
+    for name, proposer in proposers.items():
+      timer = phases[name] = _Timer()
+      spec_decode.accept = lambda *x, t=timer, **y: t("accept", accept, *x, **y)
+      for p in prompts[1:]:
+        spec_decode.speculative_generate(_TimedDecoder(decoder, timer),
+                                         _TimedProposer(proposer, timer), p, **kw)
+  finally:
+    spec_decode.accept = accept
+
+  out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+         "torch": torch.__version__, "jax": jax.__version__,
+         "prompt_len": a.prompt_len, "new": a.new, "max_len": max_len, "prompts": a.prompts, "block": K,
+         "drafter_layers": dcfg.num_hidden_layers,
+         "step_ms (speculative_generate, per verify step, incl. prefill)":
+             {name: statistics.median(v) for name, v in whole.items()},
+         "target_token_ms (target alone, per token, incl. prefill)": statistics.median(target_tok),
+         # fused: "extend" only stashes the features; "propose" appends them and proposes
+         "phases_ms (each synchronised, median)": {
+             name: {k: statistics.median(v) for k, v in t.ms.items()} for name, t in phases.items()}}
+  print(json.dumps(out, indent=1))
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
