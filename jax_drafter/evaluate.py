@@ -276,10 +276,11 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
   kw = dict(eos_ids=eos, temperature=temperature)
   cache = {} if reference_cache is None else reference_cache
   keys = [(tuple(p), max_new_tokens, float(temperature), seed + i) for i, p in enumerate(ids)]
-  # Warm-up (untimed): compiles the drafter's two jitted steps and touches the target's kernels.
-  # Prefill extends in K-row chunks like the steps, so one verify step compiles everything.
-  spec_decode.speculative_generate(decoder, proposer, ids[0][:32], max_new_tokens=2,
-                                   block_size=K, seed=seed, **kw)
+  # Warm-up (untimed): compiles the drafter's jitted calls (the prompt's chunk, the first
+  # proposal, and the fused append + proposal of every later step: 2K + 2 new tokens take at
+  # least two verify steps; no end-of-turn stops it early) and touches the target's kernels.
+  spec_decode.speculative_generate(decoder, proposer, ids[0][:32], max_new_tokens=2 * K + 2,
+                                   block_size=K, seed=seed, temperature=temperature)
   if any(k not in cache for k in keys):
     spec_decode.target_generate(decoder, ids[0][:32], max_new_tokens=2, seed=seed, **kw)
   earlier = {k for k in keys if k in cache}  # decoded by an earlier evaluation

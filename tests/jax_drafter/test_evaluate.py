@@ -105,6 +105,30 @@ def test_lossless_untrained_drafter(tiny_target):
   assert drafts[True] == drafts[False] and len(drafts[True]) == len(gen.accepted)
 
 
+def test_warm_up_compiles_every_drafter_call(tiny_target, monkeypatch):
+  """Nothing compiles while a prompt is timed: the untimed warm-up runs the prompt's chunk, the
+  first proposal and the fused append + proposal of later steps."""
+  from jax_drafter import inference
+  inference._compiled.cache_clear()          # fresh jitted functions: earlier tests compiled none
+  cfg, graphdef, params = tiny_drafter()
+  sizes, real = [], spec_decode.speculative_generate
+
+  def spy(decoder, proposer, *a, **kw):
+    s = proposer.session
+    count = lambda: [f._cache_size() for f in (s._extend, s._propose, s._extend_propose)]
+    before = count()
+    out = real(decoder, proposer, *a, **kw)
+    sizes.append((before, count()))
+    return out
+
+  monkeypatch.setattr(spec_decode, "speculative_generate", spy)
+  evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS, max_new_tokens=16,
+                        progress=False)
+  assert len(sizes) == 1 + len(TINY_PROMPTS)
+  assert sizes[0][1] == [1, 1, 1]                        # the warm-up compiled each call once
+  assert all(before == after == [1, 1, 1] for before, after in sizes[1:])
+
+
 class OracleProposer:
   """Proposes the target's own greedy continuation (keyed by prompt length): accepts everything."""
 
