@@ -118,7 +118,7 @@ def train_overrides(args, target_dir: str, dtype: str) -> list[str]:
   """The `python -m jax_drafter.train` overrides every layout shares (on top of the default config)."""
   return [f"target.path={target_dir}", f"target.dtype={dtype}", f"data.path={args.data}",
           "data.max_conversations=4000", "data.held_out=8", f"data.seq_len={args.seq}",
-          f"data.batch_size={args.rows}", "data.cache_dir=null",
+          f"data.batch_size={args.rows}", "data.cache_dir=null", "data.synthetic_prompts=0",
           f"drafter.num_hidden_layers={args.drafter_layers}",
           f"drafter.layer_types=[{', '.join(['full_attention'] * args.drafter_layers)}]",
           "drafter.block_size=16",
