@@ -8,8 +8,10 @@ block whose anchor is the context length n (all of the context is visible): it m
 `Drafter.__call__` for the same context (tests/jax_drafter/test_inference.py checks it).
 
 Static shapes so jit compiles once per (max_len, K): the cache is padded to `max_len` (a power of
-two), context is appended in chunks of K rows, and n is a traced scalar. Padding rows past n are
-never visible: the attention mask only admits context keys j < anchor = n.
+two), context is appended in chunks of K rows (a verify block's) or of `prefill_chunk` rows (a
+prompt's), and n is a traced scalar. A verify step's append and the next proposal run in one
+call (`extend_and_propose`). Padding rows past n are never visible: the attention mask only admits
+context keys j < anchor = n.
 Letters as in config.py; L drafter layers, M = max_len.
 """
 
