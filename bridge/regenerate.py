@@ -131,7 +131,7 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
   log.info("regenerate: %d conversations, %d cached, %d to generate (target %s)",
            len(conversations), counts["cached"], len(todo), fingerprint)
   out = {i: cache[k] for i, k in enumerate(keys) if k in cache}
-  sink = _open_sink(Path(cache_path)) if cache_path is not None and todo else None
+  sink = open_jsonl_sink(Path(cache_path)) if cache_path is not None and todo else None
   bar = None
   if progress:
     from tqdm.auto import tqdm
@@ -344,17 +344,18 @@ def _key(conv: dict, fingerprint: str, settings: Settings) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _open_sink(path: Path):
-  """Append mode, after cutting a torn last line (kill -9 mid-write) so the next record starts
-  on a line of its own."""
+def open_jsonl_sink(path: Path):
+  """An append-only JSONL cache (regenerated answers, synthetic prompts) opened for appending,
+  after cutting a torn last line (kill -9 mid-write) so the next record starts on a line of its
+  own. read_jsonl_cache reads such a file back."""
   path.parent.mkdir(parents=True, exist_ok=True)
   if path.is_file() and path.stat().st_size:
     with open(path, "rb+") as f:
       data = f.read()
       if not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
-        log.warning("regenerate: %s ends in an incomplete line (interrupted write); removing its "
-                    "%d bytes", path, len(data) - cut)
+        log.warning("%s ends in an incomplete line (interrupted write); removing its %d bytes",
+                    path, len(data) - cut)
         f.truncate(cut)
   return open(path, "a", encoding="utf-8")
 

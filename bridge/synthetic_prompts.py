@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bridge import generation
-from bridge.regenerate import RegenerationError, _open_sink, read_jsonl_cache
+from bridge.regenerate import RegenerationError, open_jsonl_sink, read_jsonl_cache
 from bridge.target import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def synthesize(model, tokenizer, s: PromptSettings, *, fingerprint: str, cache_p
     log.info("synthetic prompts: %d of %d chunks cached, sampling %d prompts (target %s)",
              len(starts) - len(todo), len(starts), sum(min(s.chunk, s.count - i) for i in todo),
              fingerprint)
-    with _open_sink(path) as sink:
+    with open_jsonl_sink(path) as sink:
       for start in todo:
         n = min(s.chunk, s.count - start)
         g = torch.Generator(device=device).manual_seed(
