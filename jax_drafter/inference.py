@@ -55,12 +55,13 @@ def _extend(graphdef, params, cache: ContextCache, n, feats_CxF) -> ContextCache
   return ContextCache(k, v)
 
 
-def _block_hidden(graphdef, params, cache: ContextCache, n, noise_ids_K, embed_VxD, *,
-                  attn_impl: dict):
-  """Final-normed hidden states [K, D] of the block noise_ids_K at positions n..n+K-1: the
-  training layers (model.DecoderLayer.with_context_kv) over the cached context K/V."""
+def _block_hidden(graphdef, params, cache: ContextCache, n, last_token, mask_token_id, embed_VxD,
+                  *, attn_impl: dict, K: int):
+  """Final-normed hidden states [K, D] of the block [last_token, MASK x K-1] at positions
+  n..n+K-1: the training layers (model.DecoderLayer.with_context_kv) over the cached context K/V.
+  The block's ids are built here, on the device: no host array crosses per proposal."""
   model = nnx.merge(graphdef, params)
-  K = noise_ids_K.shape[0]
+  noise_ids_K = jnp.full((K,), mask_token_id, jnp.int32).at[0].set(last_token)
   x = jnp.take(embed_VxD, noise_ids_K, axis=0)[None].astype(model.compute_dtype)  # [1, K, D]
   pos = (n + jnp.arange(K, dtype=jnp.int32))[None]
   anchors = jnp.reshape(n, (1, 1)).astype(jnp.int32)
@@ -72,10 +73,11 @@ def _block_hidden(graphdef, params, cache: ContextCache, n, noise_ids_K, embed_V
   return model.norm(x)[0]
 
 
-def _propose(graphdef, params, cache, n, noise_ids_K, embed_VxD, lm_head_VxD, key, *,
-             attn_impl: dict, temperature: float):
+def _propose(graphdef, params, cache, n, last_token, mask_token_id, embed_VxD, lm_head_VxD, key,
+             *, attn_impl: dict, temperature: float, K: int):
   """-> (draft ids int32 [K-1], draft probabilities f32 [K-1, V] or None when greedy)."""
-  h = _block_hidden(graphdef, params, cache, n, noise_ids_K, embed_VxD, attn_impl=attn_impl)[1:]
+  h = _block_hidden(graphdef, params, cache, n, last_token, mask_token_id, embed_VxD,
+                    attn_impl=attn_impl, K=K)[1:]
   cd = h.dtype
   # Same numerics as objective.chunked_cross_entropy: compute dtype in, f32 accumulation.
   logits = jnp.einsum("kd,vd->kv", h, lm_head_VxD.astype(cd), preferred_element_type=jnp.float32)
@@ -92,9 +94,8 @@ def _extend_propose(graphdef, params, cache, n, feats_CxF, count, last_token, ma
   (`count` of the C rows, at n..) and propose the next block [last_token, MASK, ...] at n + count.
   -> (cache, draft ids [K-1], draft probabilities or None)."""
   cache = _extend(graphdef, params, cache, n, feats_CxF)
-  noise = jnp.full((K,), mask_token_id, jnp.int32).at[0].set(last_token)
-  ids, probs = _propose(graphdef, params, cache, n + count, noise, embed_VxD, lm_head_VxD, key,
-                        attn_impl=attn_impl, temperature=temperature)
+  ids, probs = _propose(graphdef, params, cache, n + count, last_token, mask_token_id, embed_VxD,
+                        lm_head_VxD, key, attn_impl=attn_impl, temperature=temperature, K=K)
   return cache, ids, probs
 
 
@@ -107,9 +108,9 @@ def _compiled(graphdef, impl: tuple, temperature: float, K: int):
   # The cache is donated: each extend writes C rows in place instead of copying [L, M, Hkv, Dh]
   # twice (K and V). It is created by JAX here, never a DLPack import, so donation is safe.
   return (jax.jit(functools.partial(_extend, graphdef), donate_argnums=(1,)),
-          jax.jit(functools.partial(_block_hidden, graphdef, attn_impl=attn_impl)),
+          jax.jit(functools.partial(_block_hidden, graphdef, attn_impl=attn_impl, K=K)),
           jax.jit(functools.partial(_propose, graphdef, attn_impl=attn_impl,
-                                    temperature=temperature)),
+                                    temperature=temperature, K=K)),
           jax.jit(functools.partial(_extend_propose, graphdef, attn_impl=attn_impl,
                                     temperature=temperature, K=K), donate_argnums=(1,)))
 
@@ -197,19 +198,15 @@ class DrafterSession:
     self.length += count
     return np.asarray(ids), None if probs is None else np.asarray(probs)
 
-  def _noise(self, last_token: int):
-    ids = np.full((self.block_size,), self.cfg.mask_token_id, np.int32)
-    ids[0] = last_token
-    return jnp.asarray(ids)
-
   def block_hidden(self, last_token: int) -> jax.Array:
     """Final hidden states [K, D] of the block [last_token, MASK, ...] at positions n..n+K-1."""
-    return self._hidden(self.params, self.cache, jnp.int32(self.length), self._noise(last_token),
-                        self.embed)
+    return self._hidden(self.params, self.cache, np.int32(self.length), np.int32(last_token),
+                        np.int32(self.cfg.mask_token_id), self.embed)
 
   def propose(self, last_token: int, key=None):
     """-> (draft ids np.int32 [K-1], draft probabilities np.float32 [K-1, V] or None if greedy)."""
     key = jax.random.key(0) if key is None else key
-    ids, probs = self._propose(self.params, self.cache, jnp.int32(self.length),
-                               self._noise(last_token), self.embed, self.lm_head, key)
+    ids, probs = self._propose(self.params, self.cache, np.int32(self.length),
+                               np.int32(last_token), np.int32(self.cfg.mask_token_id), self.embed,
+                               self.lm_head, key)
     return np.asarray(ids), None if probs is None else np.asarray(probs)
