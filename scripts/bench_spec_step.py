@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import torch
 from flax import nnx
 
-from bench_generation import smollm2_shaped_model  # scripts/ is on the path when run as a script
+from bench_generation import VocabOnlyTokenizer, smollm2_shaped_model  # scripts/ is on the path
 from bridge import spec_decode
 from bridge.handoff import Handoff, import_frozen
 from bridge.target import Target
@@ -36,11 +36,6 @@ from jax_drafter.config import load_config, resolve_drafter
 from jax_drafter.evaluate import _JaxProposer
 from jax_drafter.inference import DrafterSession
 from jax_drafter.model import Drafter
-
-
-class _Tokenizer:
-  def __len__(self):
-    return 49152
 
 
 def _sync():
@@ -103,15 +98,10 @@ def main():
   ap.add_argument("--json")
   a = ap.parse_args()
 
-  if torch.cuda.is_available():
-    model = smollm2_shaped_model()
-  else:  # a smoke run of the script's logic on a CPU: the same shapes in float32, eager
-    from transformers import LlamaConfig, LlamaForCausalLM
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
-  target = Target(model, _Tokenizer(), "smollm2-shaped")
+  # On a CPU (a smoke run of the script's logic): the same shapes in float32, eager.
+  model = (smollm2_shaped_model() if torch.cuda.is_available()
+           else smollm2_shaped_model("cpu", torch.float32))
+  target = Target(model, VocabOnlyTokenizer(), "smollm2-shaped")
   cfg = load_config("configs/smollm2-h200.yaml")
   dcfg = resolve_drafter(cfg.drafter, target.info, mask_token_id=49151)
   K = dcfg.block_size

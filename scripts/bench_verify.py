@@ -16,16 +16,11 @@ import time
 
 import torch
 
-from bench_generation import smollm2_shaped_model  # scripts/ is on the path when run as a script
+from bench_generation import VocabOnlyTokenizer, smollm2_shaped_model  # scripts/ is on the path
 from bridge import spec_decode
 from bridge.target import Target
 
 LAYERS = (1, 8, 14, 20, 27)   # what the recipe's 5-layer drafter reads (docs/DESIGN.md rule)
-
-
-class _Tokenizer:
-  def __len__(self):
-    return 49152
 
 
 def time_decoder(dec, prompt, *, block: int, steps: int, seed: int = 0) -> dict:
@@ -55,7 +50,7 @@ def main():
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--json")
   a = p.parse_args()
-  target = Target(smollm2_shaped_model(), _Tokenizer(), "smollm2-shaped")
+  target = Target(smollm2_shaped_model(), VocabOnlyTokenizer(), "smollm2-shaped")
   prompt = torch.randint(3, 49152, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
   max_len = a.prompt_len + 400 + 2 * a.block
   decoders = {
