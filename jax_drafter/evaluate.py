@@ -166,22 +166,24 @@ class _JaxProposer:
     self.steps = 0
     self._pending = None   # (features of the last verify block, accepted + 1) not yet appended
 
-  def _put(self, feats, count):
+  def _with(self, feats, use):
+    """use(the features as a JAX array): the DLPack import and its release around one call."""
     h = Handoff()
     # device: the drafter's; a target on another GPU gets one explicit copy (as in training).
-    self.session.extend(h.put(feats, name="target features", device=self.device), count)
+    out = use(h.put(feats, name="target features", device=self.device))
     h.release_after(self.session.cache)  # torch may reuse the buffer only after JAX read it
+    return out
 
   def start(self, feats):
     self._pending = None
     self.session.reset(self.max_len)
-    self._put(feats, None)
+    self._with(feats, self.session.extend)
 
   def extend(self, feats, count):
     if self.fuse and feats.shape[0] == self.session.block_size:
       self._pending = (feats, count)
     else:
-      self._put(feats, count)
+      self._with(feats, lambda x: self.session.extend(x, count))
 
   def propose(self, last_token, temperature):
     self.steps += 1
@@ -190,11 +192,7 @@ class _JaxProposer:
     if self._pending is None:
       return self.session.propose(last_token, key)
     (feats, count), self._pending = self._pending, None
-    h = Handoff()
-    out = self.session.extend_and_propose(
-        h.put(feats, name="target features", device=self.device), count, last_token, key)
-    h.release_after(self.session.cache)   # out is on the host already: this returns at once
-    return out
+    return self._with(feats, lambda x: self.session.extend_and_propose(x, count, last_token, key))
 
 
 DECODERS = ("auto", "static", "dynamic")
