@@ -160,8 +160,12 @@ class _JaxProposer:
   that call's results are read."""
 
   def __init__(self, session: DrafterSession, max_len: int, seed: int, device=None, *,
-               fuse: bool = True):
+               fuse: bool = True, room: int | None = None):
+    """max_len: positions any sequence reaches. room: when given, each sequence's context cache
+    is sized for its prompt + room positions instead (at most max_len): a dense attention over
+    fewer padded keys a step."""
     self.session, self.max_len, self.device, self.fuse = session, max_len, device, fuse
+    self.room = room
     self.key = jax.random.key(seed)
     self.steps = 0
     self._pending = None   # (features of the last verify block, accepted + 1) not yet appended
@@ -174,9 +178,16 @@ class _JaxProposer:
     h.release_after(self.session.cache)  # torch may reuse the buffer only after JAX read it
     return out
 
+  def _positions(self, prompt_len: int) -> int:
+    return self.max_len if self.room is None else min(prompt_len + self.room, self.max_len)
+
+  def size_for(self, prompt_len: int) -> int:
+    """Rows of the drafter's context cache for a prompt of prompt_len tokens."""
+    return self.session.positions_for(self._positions(prompt_len))
+
   def start(self, feats):
     self._pending = None
-    self.session.reset(self.max_len)
+    self.session.reset(self._positions(feats.shape[0]))
     self._with(feats, self.session.extend)
 
   def extend(self, feats, count):
@@ -198,9 +209,10 @@ class _JaxProposer:
 DECODERS = ("auto", "static", "dynamic")
 
 
-def _decoder(target: Target, cfg: DrafterConfig, kind: str, *, max_len: int):
+def _decoder(target: Target, cfg: DrafterConfig, kind: str, *, max_len: int, room: int):
   """The target's decoder for evaluation (see evaluate_tau's `decoder`). max_len: every position
-  a verify step can reach (the longest prompt + new tokens + a block)."""
+  a verify step can reach (the longest prompt + new tokens + a block); room: the positions a
+  sequence takes past its prompt (new tokens + a block): static caches are sized per prompt."""
   from bridge.generation import supports_static_decoding
   if kind not in DECODERS:
     raise EvaluationError(f"decoder={kind!r} must be one of {', '.join(DECODERS)}")
@@ -208,7 +220,8 @@ def _decoder(target: Target, cfg: DrafterConfig, kind: str, *, max_len: int):
     kind = ("static" if target.device.type == "cuda" and supports_static_decoding(target.model)
             else "dynamic")
   if kind == "static":
-    return spec_decode.StaticTargetDecoder(target, cfg.target_layer_ids, max_len=max_len)
+    return spec_decode.BucketedStaticDecoder(target, cfg.target_layer_ids, room=room,
+                                             max_len=max_len)
   return spec_decode.TargetDecoder(target, cfg.target_layer_ids)
 
 
@@ -260,7 +273,8 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                             f"and block size {K} it needs {len(p) + max_new_tokens + K} positions, "
                             f"more than the target's context of {limit}; shorten it or lower "
                             "--max-new-tokens")
-  decoder = _decoder(target, cfg, decoder, max_len=max(map(len, ids)) + max_new_tokens + K)
+  room = max_new_tokens + K
+  decoder = _decoder(target, cfg, decoder, max_len=max(map(len, ids)) + room, room=room)
   eos = spec_decode.eos_token_ids(target)
   keep = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
   if proposer is None:
@@ -270,17 +284,24 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
       frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
     session = DrafterSession(cfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                              block_size=K, temperature=temperature)
-    proposer = _JaxProposer(session, max(map(len, ids)) + max_new_tokens + K, seed, device)
+    proposer = _JaxProposer(session, max(map(len, ids)) + room, seed, device, room=room)
   kw = dict(eos_ids=eos, temperature=temperature)
   cache = {} if reference_cache is None else reference_cache
   keys = [(tuple(p), max_new_tokens, float(temperature), seed + i) for i, p in enumerate(ids)]
-  # Warm-up (untimed): compiles the drafter's jitted calls (the prompt's chunk, the first
-  # proposal, and the fused append + proposal of every later step: 2K + 2 new tokens take at
-  # least two verify steps; no end-of-turn stops it early) and touches the target's kernels.
-  spec_decode.speculative_generate(decoder, proposer, ids[0][:32], max_new_tokens=2 * K + 2,
-                                   block_size=K, seed=seed, temperature=temperature)
-  if any(k not in cache for k in keys):
-    spec_decode.target_generate(decoder, ids[0][:32], max_new_tokens=2, seed=seed, **kw)
+  # Warm-up (untimed), once per cache size the prompts use (the target's static cache and the
+  # drafter's context are sized per prompt): compiles the drafter's jitted calls (the prompt's
+  # chunk, the first proposal, and the fused append + proposal of every later step: 2K + 2 new
+  # tokens take at least two verify steps; no end-of-turn stops it early) and captures the
+  # target's CUDA graphs of each size.
+  sizes = {}
+  for p in ids:
+    sizes.setdefault(tuple(getattr(x, "size_for", lambda n: None)(len(p))
+                           for x in (decoder, proposer)), p)
+  for p in sizes.values():
+    spec_decode.speculative_generate(decoder, proposer, p, max_new_tokens=2 * K + 2,
+                                     block_size=K, seed=seed, temperature=temperature)
+    if any(k not in cache for k in keys):
+      spec_decode.target_generate(decoder, p, max_new_tokens=2, seed=seed, **kw)
   earlier = {k for k in keys if k in cache}  # decoded by an earlier evaluation
   if reference == "batched" and temperature <= 0:
     _batched_references(target, ids, keys, cache, eos, max_new_tokens, skip=speed_prompts)
@@ -370,6 +391,10 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
   ref_s = sum(r["target_seconds"] for r in timed)
   spec_tps = sum(r["new_tokens"] for r in rows) / spec_s if spec_s else None
   ref_tps = sum(r["target_new_tokens"] for r in timed) / ref_s if ref_s else None
+  # The speed-up compares the same prompts: speculative decoding of the prompts the target alone
+  # was timed on (prompt lengths and answer lengths move tokens/s a lot).
+  spec_timed_s = sum(r["speculative_seconds"] for r in timed)
+  spec_timed_tps = (sum(r["new_tokens"] for r in timed) / spec_timed_s if spec_timed_s else None)
   checked = temperature <= 0
   mismatches = [r["mismatch"] for r in rows if r["mismatch"]]
   return {
@@ -388,7 +413,9 @@ def summarize(rows: list[dict], *, block_size: int, max_new_tokens: int, tempera
       "accept_length_histogram": {str(n): int(hist[n]) for n in range(1, block_size + 1)},
       # Cached target-only rows carry the timing of the evaluation that decoded them.
       "tokens_per_second": {"speculative": spec_tps, "target_only": ref_tps,
-                            "speedup": spec_tps / ref_tps if spec_tps and ref_tps else None,
+                            "speculative_on_timed_prompts": spec_timed_tps,
+                            "speedup": (spec_timed_tps / ref_tps
+                                        if spec_timed_tps and ref_tps else None),
                             "target_only_cached": sum(bool(r.get("target_cached")) for r in rows),
                             "target_only_timed_prompts": len(timed), "decoder": decoder},
       "lossless": {"checked": checked, "passed": (not mismatches) if checked else None,
@@ -416,6 +443,9 @@ def format_report(r: dict) -> str:
   cached = (f" (target only: timed on {timed} of {r['num_prompts']} prompts"
             + (f", {cached} references from an earlier evaluation" if cached else "") + ")"
             if cached or (timed is not None and timed < r["num_prompts"]) else "")
+  on_timed = ("" if timed is None or timed == r["num_prompts"] else
+              f" ({fmt(tps.get('speculative_on_timed_prompts'))} on the {timed} prompts the "
+              "target alone was timed on, which the speed-up compares)")
   ll = r["lossless"]
   if not ll["checked"]:
     lossless = "not checked (temperature > 0)"
@@ -430,7 +460,7 @@ def format_report(r: dict) -> str:
   lines = [f"tau = {tau} (max {r['max_tau']}) over {r['num_prompts']} prompts, "
            f"{r['verify_steps']} verify steps{pooled}",
            f"tokens per verify step (histogram): {hist}",
-           f"tokens/s: speculative {fmt(tps['speculative'])}, target only "
+           f"tokens/s: speculative {fmt(tps['speculative'])}{on_timed}, target only "
            f"{fmt(tps['target_only'])}, speedup {fmt(tps['speedup'], '{:.2f}x')}{cached}"
            + (f"; the target decoded {tps['decoder']}" if tps.get("decoder") else ""),
            f"lossless (speculative == target greedy): {lossless}"]

@@ -149,10 +149,19 @@ class DrafterSession:
   def reset(self, max_len: int) -> None:
     """Empty context with room for max_len positions (rounded up to a power of two, with room
     for a last prefill chunk's padding rows)."""
-    L, M = self.cfg.num_hidden_layers, bucket(max_len + self.prefill_chunk)
+    L, M = self.cfg.num_hidden_layers, self.positions_for(max_len)
     shape = (L, M) + tuple(self._kv_shape)
-    self.cache = ContextCache(jnp.zeros(shape, self._dtype), jnp.zeros(shape, self._dtype))
+    # Committed to the parameters' device like every cache a call returns: an uncommitted first
+    # cache would compile each call a second time for the second chunk of a prompt.
+    devices = jax.tree.leaves(self.params)[0].devices()
+    zeros = lambda: jnp.zeros(shape, self._dtype)
+    self.cache = ContextCache(*(jax.device_put(zeros(), next(iter(devices)))
+                                if len(devices) == 1 else zeros() for _ in range(2)))
     self.length = 0
+
+  def positions_for(self, max_len: int) -> int:
+    """Rows of the context cache reset(max_len) makes (each size compiles the calls once)."""
+    return bucket(max_len + self.prefill_chunk)
 
   @property
   def max_len(self) -> int:

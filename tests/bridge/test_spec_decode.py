@@ -231,6 +231,29 @@ def test_static_decoder_equals_the_dynamic_one(tiny_llama, graphed, monkeypatch)
     assert all(g["graph"].replays > 0 for g in sta._graphs.values())
 
 
+def test_bucketed_decoder_sizes_each_prompt_and_decodes_like_one_cache(tiny_llama):
+  """Each prefill picks the smallest power-of-two cache (from `minimum`, capped at max_len) that
+  holds the prompt + room; prompts alternating between sizes decode exactly as the dynamic
+  decoder does (each size keeps its own cache: no positions leak between them)."""
+  target = Target(tiny_llama, _Tokenizer(), "tiny")
+  dec = spec_decode.BucketedStaticDecoder(target, (0, 1), room=20, max_len=60, minimum=16)
+  assert [dec.size_for(n) for n in (1, 12, 13, 40)] == [32, 32, 60, 60]
+  assert dec.kind == "with static KV caches sized per prompt (at most 60 positions), eager"
+  dyn = spec_decode.TargetDecoder(target, (0, 1))
+  short, long = PROMPT, PROMPT * 5 + [1, 2]    # 6 and 32 tokens
+  for prompt in (short, long, short, long):
+    ref = _greedy(tiny_llama, prompt, 16)
+    runs = [spec_decode.speculative_generate(d, CorruptedOracle(ref, 4, VOCAB), prompt,
+                                             max_new_tokens=16, block_size=4) for d in (dyn, dec)]
+    assert runs[0].tokens == runs[1].tokens == ref and runs[0].accepted == runs[1].accepted
+    assert dec.current is dec.decoders[32 if prompt is short else 60]
+    assert dec.length == dyn.length
+    assert spec_decode.target_generate(dec, prompt, max_new_tokens=16).tokens == ref
+  assert sorted(dec.decoders) == [32, 60]
+  with pytest.raises(ValueError, match="room"):
+    spec_decode.BucketedStaticDecoder(target, room=0, max_len=60)
+
+
 @pytest.mark.parametrize("layer_crop", [True, False])
 def test_static_decoder_crop_on_gpu_made_counters(tiny_llama, layer_crop, monkeypatch):
   """crop() where the cache's length counters were made in inference mode, as its first forward

@@ -7,6 +7,7 @@ once per module, ~30 s) covers tau ~ 1 for an untrained drafter and the CLI end 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 
@@ -41,8 +42,9 @@ def test_decoder_choice(monkeypatch):
   """auto: the static decoder on a GPU for full-attention targets, the dynamic one otherwise
   (sliding-window or linear-attention layers, CPU); an unknown kind is an error naming them."""
   made = []
-  monkeypatch.setattr(spec_decode, "StaticTargetDecoder",
-                      lambda target, layers, max_len: made.append(("static", max_len)) or "S")
+  monkeypatch.setattr(spec_decode, "BucketedStaticDecoder",
+                      lambda target, layers, room, max_len: made.append(("static", room, max_len))
+                      or "S")
   monkeypatch.setattr(spec_decode, "TargetDecoder",
                       lambda target, layers: made.append(("dynamic",)) or "D")
   cfg = types.SimpleNamespace(target_layer_ids=(1, 2))
@@ -51,17 +53,17 @@ def test_decoder_choice(monkeypatch):
     model = types.SimpleNamespace(config=types.SimpleNamespace(**config))
     return types.SimpleNamespace(device=torch.device(device), model=model)
   full = dict(layer_types=["full_attention"] * 2)
-  assert evaluate._decoder(target("cuda", **full), cfg, "auto", max_len=99) == "S"
-  assert evaluate._decoder(target("cpu", **full), cfg, "auto", max_len=99) == "D"
-  assert evaluate._decoder(target("cuda", layer_types=["full_attention", "linear_attention"]),
-                           cfg, "auto", max_len=99) == "D"
-  assert evaluate._decoder(target("cuda", sliding_window=4096), cfg, "auto", max_len=99) == "D"
-  assert evaluate._decoder(target("cpu", **full), cfg, "static", max_len=7) == "S"
-  assert evaluate._decoder(target("cuda", **full), cfg, "dynamic", max_len=7) == "D"
-  assert made == [("static", 99), ("dynamic",), ("dynamic",), ("dynamic",), ("static", 7),
+  choose = lambda t, kind, max_len=99: evaluate._decoder(t, cfg, kind, max_len=max_len, room=5)
+  assert choose(target("cuda", **full), "auto") == "S"
+  assert choose(target("cpu", **full), "auto") == "D"
+  assert choose(target("cuda", layer_types=["full_attention", "linear_attention"]), "auto") == "D"
+  assert choose(target("cuda", sliding_window=4096), "auto") == "D"
+  assert choose(target("cpu", **full), "static", 7) == "S"
+  assert choose(target("cuda", **full), "dynamic", 7) == "D"
+  assert made == [("static", 5, 99), ("dynamic",), ("dynamic",), ("dynamic",), ("static", 5, 7),
                   ("dynamic",)]
   with pytest.raises(evaluate.EvaluationError, match="auto, static, dynamic"):
-    evaluate._decoder(target("cpu", **full), cfg, "graphs", max_len=7)
+    choose(target("cpu", **full), "graphs", 7)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ def test_lossless_untrained_drafter(tiny_target):
           == [r["accepted"] for r in report["per_prompt"]])
   # On a CPU the default ("auto") is the dynamic cache; the report says which decoded.
   assert report["tokens_per_second"]["decoder"] == "with a dynamic KV cache, eager"
-  assert static["tokens_per_second"]["decoder"] == "with a static KV cache, eager"
+  assert static["tokens_per_second"]["decoder"].startswith("with static KV caches sized per prompt")
   # The speculative output itself, against decoding that shares no code with the loop.
   ids = evaluate.encode(tiny_target.tokenizer, TINY_PROMPTS[1])
   session = DrafterSession(cfg, graphdef, params, jnp.asarray(tiny_target.embedding.numpy()),
@@ -122,11 +124,19 @@ def test_warm_up_compiles_every_drafter_call(tiny_target, monkeypatch):
     return out
 
   monkeypatch.setattr(spec_decode, "speculative_generate", spy)
-  evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, TINY_PROMPTS, max_new_tokens=16,
+  # The drafter's context is sized per prompt: with prefill chunks of 16 rows a 100-token prompt
+  # takes a second size (256 rows, the chat prompts 64), compiled by a warm-up of its own.
+  monkeypatch.setattr(evaluate, "DrafterSession",
+                      functools.partial(evaluate.DrafterSession, prefill_chunk=16))
+  prompts = TINY_PROMPTS + [[5 + i % 50 for i in range(100)]]
+  evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, prompts, max_new_tokens=16,
                         progress=False)
-  assert len(sizes) == 1 + len(TINY_PROMPTS)
-  assert sizes[0][1] == [1, 1, 1]                        # the warm-up compiled each call once
-  assert all(before == after == [1, 1, 1] for before, after in sizes[1:])
+  lengths = [len(evaluate.encode(tiny_target.tokenizer, p)) for p in prompts]
+  n = len({inference.bucket(t + 16 + 4 + 16) for t in lengths})   # + new tokens, block, chunk
+  assert n >= 2 and len(sizes) == n + len(prompts)
+  # each warm-up compiled its size's three calls, and no prompt compiled anything
+  assert [after for _, after in sizes[:n]] == [[i + 1] * 3 for i in range(n)]
+  assert all(before == after == [n] * 3 for before, after in sizes[n:])
 
 
 class OracleProposer:
@@ -152,8 +162,8 @@ def test_oracle_drafter_reaches_max_tau(tiny_target, block_size):
   cfg, graphdef, params = tiny_drafter(block_size=4)
   prompts = [TINY_PROMPTS[2], [{"role": "user", "content": "hi"}]]
   ids = [evaluate.encode(tiny_target.tokenizer, p) for p in prompts]
-  # The oracle is keyed by prompt length; evaluate_tau's warm-up uses the first 32 prompt tokens.
-  assert len({len(i) for i in ids}) == len(ids) and max(map(len, ids)) <= 32
+  # The oracle is keyed by prompt length (evaluate_tau's warm-up decodes whole prompts too).
+  assert len({len(i) for i in ids}) == len(ids)
   cont = {len(i): greedy_reference(tiny_target.model, i, 16 + block_size) for i in ids}
   report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, prompts, max_new_tokens=16,
                                  block_size=block_size, progress=False,
@@ -517,3 +527,20 @@ def test_tau_is_the_mean_over_responses_with_its_standard_error():
   assert "2.000 over all verify steps pooled" in evaluate.format_report(r)
   assert evaluate.summarize(rows[:1], block_size=4, max_new_tokens=4, temperature=0.0,
                             target_name="t")["tau_stderr"] is None
+
+
+def test_speedup_compares_the_prompts_the_target_was_timed_on():
+  """The target alone is timed on the first speed_prompts prompts only: the speed-up divides
+  speculative decoding's tokens/s on those same prompts by the target's, not the tokens/s over
+  every prompt (other prompts, other lengths)."""
+  row = lambda i, spec_s, target_s: dict(prompt=i, new_tokens=10, target_new_tokens=10,
+                                         accepted=[1], tau=2.0, speculative_seconds=spec_s,
+                                         target_seconds=target_s, ties=[], mismatch=None)
+  rows = [row(0, 1.0, 2.0), row(1, 4.0, None), row(2, 4.0, None)]  # 10 tokens/s vs 5 on prompt 0
+  r = evaluate.summarize(rows, block_size=4, max_new_tokens=10, temperature=0.0, target_name="t")
+  tps = r["tokens_per_second"]
+  assert tps["speculative"] == pytest.approx(30 / 9)
+  assert tps["speculative_on_timed_prompts"] == pytest.approx(10.0)
+  assert tps["target_only"] == pytest.approx(5.0) and tps["speedup"] == pytest.approx(2.0)
+  assert ("speculative 3.3 (10.0 on the 1 prompts the target alone was timed on, which the "
+          "speed-up compares), target only 5.0, speedup 2.00x") in evaluate.format_report(r)
