@@ -66,6 +66,9 @@ class _TimedDecoder:
   def __getattr__(self, k):
     return getattr(self.dec, k)
 
+  def prefill(self, ids, **kw):
+    return self.t("prefill (target, eager; per prompt)", self.dec.prefill, ids, **kw)
+
   def verify(self, ids, **kw):
     return self.t("verify (target, K tokens)", self.dec.verify, ids, **kw)
 
@@ -78,7 +81,7 @@ class _TimedProposer:
     self.p, self.t = p, timer
 
   def start(self, feats):
-    return self.p.start(feats)
+    return self.t("start (prompt hand-off + drafter context; per prompt)", self.p.start, feats)
 
   def extend(self, feats, count):
     return self.t("extend (hand-off + drafter context)", self.p.extend, feats, count)
@@ -127,12 +130,15 @@ def main():
     spec_decode.speculative_generate(decoder, proposer, prompts[0], **kw)
   spec_decode.target_generate(decoder, prompts[0], max_new_tokens=8)
   whole, target_tok = {name: [] for name in proposers}, []
+  prompt_ms, target_prompt_ms = {name: [] for name in proposers}, []
   for p in prompts[1:]:
     for name, proposer in proposers.items():
       gen = spec_decode.speculative_generate(decoder, proposer, p, **kw)
       whole[name].append(1e3 * gen.seconds / len(gen.accepted))
+      prompt_ms[name].append(1e3 * gen.seconds)
     ref = spec_decode.target_generate(decoder, p, max_new_tokens=a.new)
     target_tok.append(1e3 * ref.seconds / len(ref.tokens))
+    target_prompt_ms.append(1e3 * ref.seconds)
 
   phases = {}
   accept = spec_decode.accept
@@ -153,6 +159,9 @@ def main():
          "step_ms (speculative_generate, per verify step, incl. prefill)":
              {name: statistics.median(v) for name, v in whole.items()},
          "target_token_ms (target alone, per token, incl. prefill)": statistics.median(target_tok),
+         "prompt_ms (a whole prompt's decoding)": {
+             **{name: statistics.median(v) for name, v in prompt_ms.items()},
+             "target alone": statistics.median(target_prompt_ms)},
          # fused: "extend" only stashes the features; "propose" appends them and proposes
          "phases_ms (each synchronised, median)": {
              name: {k: statistics.median(v) for k, v in t.ms.items()} for name, t in phases.items()}}
