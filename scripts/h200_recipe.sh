@@ -4,22 +4,24 @@
 # session on the machine, and each call watches it until the call's end. The machine stays warm
 # for ~30 s between calls, so the next call must follow at once; /tmp/dflash keeps everything.
 #
-# The SmolLM2 GGUF (98 MB) exceeds one call's 64 MiB, so it travels in two halves:
-# .gpu_a/gguf.part0 (call "stage") and .gpu_b/gguf.part1 (call "launch"). Wheels missing there
-# (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
-#   split -b 49181216 <the GGUF> /tmp/gguf_part_ && mv /tmp/gguf_part_aa .gpu_a/gguf.part0 &&
-#   mv /tmp/gguf_part_ab .gpu_b/gguf.part1
+# The SmolLM2 GGUF (98 MB) exceeds one call's 64 MiB, so it travels in three pieces:
+# .gpu_a/gguf.part0 (call "stage"), .gpu_e/gguf.mid (a "stage" call, beside .gpu_u) and
+# .gpu_b/gguf.part1 (call "launch": with the tracked files, ~14 MB, it must stay under 64 MiB).
+# Wheels missing there (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
+#   split -b 46000000 <the GGUF> /tmp/gguf_part_ && mv /tmp/gguf_part_aa .gpu_a/gguf.part0 &&
+#   head -c 6000000 /tmp/gguf_part_ab > .gpu_e/gguf.mid &&
+#   tail -c +6000001 /tmp/gguf_part_ab > .gpu_b/gguf.part1
 #   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_u/sharegpt_user_turns.jsonl.gz
 # (the turns and .gpu_a together with the tracked files exceed a call's 64 MiB: carry .gpu_u in a
 # "stage" call of its own or beside .gpu_c)
 # Calls (back to back, each with timeout_s=600):
-#   stage    carry .gpu_a and .whl: wheels and the GGUF's first half to /tmp/dflash; carry .gpu_u
-#            (the user turns) in the call carrying .gpu_c, or alone
+#   stage    carry .gpu_a and .whl: wheels and the GGUF's first piece to /tmp/dflash; carry .gpu_u
+#            (the user turns) and .gpu_e (the GGUF's middle) in the call carrying .gpu_c, or alone
 #            (then STAGE_CHECKS="part ..." of scripts/h200_checks.sh, if set); again with carry
 #            .gpu_c to restore earlier regenerated answers
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
-#   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl, .gpu_u and .gpu_d: only the
+#   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl, .gpu_u/.gpu_e and .gpu_d: only the
 #            held-out evaluation, of a drafter whose machine was lost after training
 # Each call copies the logs, metrics and results written so far to $OUT.
 # The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
@@ -28,7 +30,7 @@
 # "launch"; .gpu_b + .gpu_c exceed one call's 64 MiB) restores them, so its regeneration finds
 # every conversation cached. When training ends, the drafter (its export/ and config.json, xz
 # parts drafter-ARM.xz.part_*, ~65 MB) comes back the same way: kept in .gpu_d, a later chain
-# stage (.gpu_a .whl) -> stage (.gpu_u) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
+# stage (.gpu_a .whl) -> stage (.gpu_u .gpu_e) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
 # (`jax_drafter.evaluate --run-dir R --export`). Each set of parts comes back once.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
 # pipeline's start until training must end: regeneration + training, default 1140; with the
@@ -112,6 +114,7 @@ case "${1:-}" in
     # The GGUF's first half (.gpu_a) and the user turns (.gpu_u), from whichever call carries
     # them; an earlier call's folders may still be on the machine.
     [ -f .gpu_a/gguf.part0 ] && { cp .gpu_a/gguf.part0 "$D/gguf.part0" || exit 1; }
+    [ -f .gpu_e/gguf.mid ] && { cp .gpu_e/gguf.mid "$D/gguf.mid" || exit 1; }
     for f in .gpu_*/sharegpt_user_turns.jsonl.gz; do
       [ -f "$f" ] || continue
       gunzip -c "$f" > "$D/sharegpt_user_turns.jsonl.tmp" &&
@@ -131,12 +134,12 @@ case "${1:-}" in
     # The rest of this call's time can serve other GPU checks (e.g. STAGE_CHECKS=kernel-tests).
     [ -z "${STAGE_CHECKS:-}" ] || OUT=$OUT LIMIT=$(( $(left) - 10 )) bash scripts/h200_checks.sh $STAGE_CHECKS ;;
   launch|evaluate)   # evaluate: only the held-out evaluation of the drafter "stage" restored
-    [ -f "$D/gguf.part0" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
-      echo "no $D/gguf.part0 or user turns: the machine went cold or a 'stage' call (.gpu_a, .gpu_u) is missing"; exit 3; }
+    [ -f "$D/gguf.part0" ] && [ -f "$D/gguf.mid" ] && [ -f "$D/sharegpt_user_turns.jsonl" ] || {
+      echo "no $D/gguf.part0, gguf.mid or user turns: the machine went cold or a 'stage' call (.gpu_a, .gpu_e, .gpu_u) is missing"; exit 3; }
     [ "$1" = launch ] || [ -f "$D/runs/restored/config.json" ] || {
       echo "no restored drafter: run 'stage' carrying .gpu_d first"; exit 3; }
     mkdir -p "$D/smollm2" "$D/cache"
-    cat "$D/gguf.part0" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
+    cat "$D/gguf.part0" "$D/gguf.mid" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
     cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
