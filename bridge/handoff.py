@@ -85,6 +85,18 @@ def import_frozen(embedding: torch.Tensor, lm_head: torch.Tensor, keep: "Handoff
   return {"embed": embed, "lm_head": head}
 
 
+def padded_row_chunks(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
+  """t's rows (dim 0) in chunks of `rows`, the last zero-padded to full size (t is copied once,
+  only when its length is not a multiple): every chunk imports with the same shape, so a jitted
+  consumer compiles once and no shape-dependent pad or slice runs in JAX. Chunks are contiguous
+  views; they stay importable zero-copy when t's rows are 16-byte multiples."""
+  if rows < 1:
+    raise ValueError(f"{rows=} must be >= 1")
+  if len(t) % rows:
+    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - len(t) % rows))
+  return list(t.split(rows))
+
+
 def _expected_dtype(dt: torch.dtype):
   return {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
           torch.int32: jnp.int32, torch.bool: jnp.bool_}.get(dt)

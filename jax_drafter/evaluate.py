@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from bridge import spec_decode
-from bridge.handoff import Handoff, import_frozen
+from bridge.handoff import Handoff, import_frozen, padded_row_chunks
 from bridge.target import Target, TargetError, check_mask_token_id, load_target
 from jax_drafter import data as data_lib
 from jax_drafter import objective
@@ -186,9 +186,14 @@ class _JaxProposer:
     return self.session.positions_for(self._positions(prompt_len))
 
   def start(self, feats):
+    """The prompt's features in chunks of the session's prefill_chunk rows, the last one padded
+    here, on the torch side: JAX sees one shape whatever the prompt's length (a padding or slicing
+    op in JAX would compile for each new length: ~80 ms a prompt on an H200)."""
     self._pending = None
-    self.session.reset(self._positions(feats.shape[0]))
-    self._with(feats, self.session.extend)
+    T, C = feats.shape[0], self.session.prefill_chunk
+    self.session.reset(self._positions(T))
+    for i, chunk in enumerate(padded_row_chunks(feats, C)):
+      self._with(chunk, lambda x, n=min(C, T - i * C): self.session.extend(x, n))
 
   def extend(self, feats, count):
     if self.fuse and feats.shape[0] == self.session.block_size:

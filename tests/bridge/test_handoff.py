@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.handoff import Handoff, HandoffError, fresh_for_import, to_jax
+from bridge.handoff import Handoff, HandoffError, fresh_for_import, padded_row_chunks, to_jax
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
@@ -81,3 +81,15 @@ def test_split_placement_copies_explicitly_to_the_drafter_device(tmp_path):
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                      timeout=120)
   assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_padded_row_chunks_share_one_shape_and_keep_the_rows():
+  t = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+  chunks = padded_row_chunks(t, 4)
+  assert [tuple(c.shape) for c in chunks] == [(4, 3), (4, 3)]
+  torch.testing.assert_close(torch.cat(chunks)[:7], t)
+  assert torch.count_nonzero(chunks[1][3:]) == 0 and all(c.is_contiguous() for c in chunks)
+  exact = padded_row_chunks(t[:4], 2)
+  assert len(exact) == 2 and exact[0].data_ptr() == t.data_ptr()   # a multiple: views, no copy
+  with pytest.raises(ValueError, match="rows"):
+    padded_row_chunks(t, 0)

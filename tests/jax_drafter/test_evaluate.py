@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import types
 
 import jax
@@ -107,20 +108,23 @@ def test_lossless_untrained_drafter(tiny_target):
   assert drafts[True] == drafts[False] and len(drafts[True]) == len(gen.accepted)
 
 
-def test_warm_up_compiles_every_drafter_call(tiny_target, monkeypatch):
-  """Nothing compiles while a prompt is timed: the untimed warm-up runs the prompt's chunk, the
-  first proposal and the fused append + proposal of later steps."""
+def test_warm_up_compiles_every_drafter_call(tiny_target, monkeypatch, caplog):
+  """Nothing compiles while a prompt is timed, whatever its length: the untimed warm-up of each
+  cache size runs the prompt's chunk, the first proposal and the fused append + proposal of later
+  steps, and no shape-dependent JAX op (a pad, a slice) runs per prompt."""
   from jax_drafter import inference
   inference._compiled.cache_clear()          # fresh jitted functions: earlier tests compiled none
   cfg, graphdef, params = tiny_drafter()
-  sizes, real = [], spec_decode.speculative_generate
+  sizes, compiled, real = [], [], spec_decode.speculative_generate
 
   def spy(decoder, proposer, *a, **kw):
     s = proposer.session
     count = lambda: [f._cache_size() for f in (s._extend, s._propose, s._extend_propose)]
     before = count()
+    caplog.clear()
     out = real(decoder, proposer, *a, **kw)
     sizes.append((before, count()))
+    compiled.append([r.getMessage()[:60] for r in caplog.records if "Compiling" in r.getMessage()])
     return out
 
   monkeypatch.setattr(spec_decode, "speculative_generate", spy)
@@ -128,15 +132,22 @@ def test_warm_up_compiles_every_drafter_call(tiny_target, monkeypatch):
   # takes a second size (256 rows, the chat prompts 64), compiled by a warm-up of its own.
   monkeypatch.setattr(evaluate, "DrafterSession",
                       functools.partial(evaluate.DrafterSession, prefill_chunk=16))
-  prompts = TINY_PROMPTS + [[5 + i % 50 for i in range(100)]]
-  evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, prompts, max_new_tokens=16,
-                        progress=False)
+  prompts = TINY_PROMPTS + [[5 + i % 50 for i in range(n)] for n in (100, 37, 3)]
+  log_compiles = jax.config.jax_log_compiles
+  jax.config.update("jax_log_compiles", True)
+  try:
+    with caplog.at_level(logging.WARNING):
+      evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, prompts, max_new_tokens=16,
+                            progress=False)
+  finally:
+    jax.config.update("jax_log_compiles", log_compiles)
   lengths = [len(evaluate.encode(tiny_target.tokenizer, p)) for p in prompts]
   n = len({inference.bucket(t + 16 + 4 + 16) for t in lengths})   # + new tokens, block, chunk
   assert n >= 2 and len(sizes) == n + len(prompts)
   # each warm-up compiled its size's three calls, and no prompt compiled anything
   assert [after for _, after in sizes[:n]] == [[i + 1] * 3 for i in range(n)]
   assert all(before == after == [n] * 3 for before, after in sizes[n:])
+  assert any(compiled[:n]) and not any(compiled[n:]), compiled[n:]
 
 
 class OracleProposer:
