@@ -246,7 +246,7 @@ class BucketedStaticDecoder:
   A verify step's attention reads every position of its static cache, masked or not: on an H200 a
   16-token verify of SmolLM2-135M took 3.87 ms over a 384-position cache and 5.65 ms over 3,968
   (one cache sized for the longest prompt of an evaluation); a target token alone 2.99 vs 3.41 ms
-  (benchmarks/h200-2026-12-05-bucketed-caches). Each size keeps its own cache and CUDA graphs, so
+  (benchmarks/h200-2026-12-04k-caches-per-prompt). Each size keeps its own cache and CUDA graphs, so
   a size's first sequence captures them (evaluate's warm-up runs one per size)."""
 
   def __init__(self, target: Target, layer_ids: Sequence[int] = (), *, room: int, max_len: int,

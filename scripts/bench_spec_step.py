@@ -98,6 +98,9 @@ def main():
   ap.add_argument("--max-len", type=int, default=None,
                   help="positions the caches are sized for (evaluate sizes them for its longest "
                        "prompt + new tokens + a block; default: this prompt's)")
+  ap.add_argument("--vary", type=int, default=0,
+                  help="prompt i gets prompt-len + i x VARY tokens (every prompt a new length, as "
+                       "in an evaluation; default: all the same length)")
   ap.add_argument("--json")
   a = ap.parse_args()
 
@@ -114,7 +117,7 @@ def main():
   frozen = import_frozen(target.embedding, target.lm_head, keep)
   session = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                            block_size=K)
-  max_len = a.max_len or a.prompt_len + a.new + K
+  max_len = a.max_len or a.prompt_len + a.prompts * a.vary + a.new + K
   by_block = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                             block_size=K, prefill_chunk=K)
   proposers = {"fused": _JaxProposer(session, max_len, seed=0),   # evaluate's default
@@ -122,8 +125,8 @@ def main():
                "fused, prompt in blocks": _JaxProposer(by_block, max_len, seed=0)}
   decoder = spec_decode.StaticTargetDecoder(target, dcfg.target_layer_ids, max_len=max_len)
   g = torch.Generator().manual_seed(1)
-  prompts = [torch.randint(3, 49000, (a.prompt_len,), generator=g).tolist()
-             for _ in range(a.prompts + 1)]
+  prompts = [torch.randint(3, 49000, (a.prompt_len + i * a.vary,), generator=g).tolist()
+             for i in range(a.prompts + 1)]
   kw = dict(max_new_tokens=a.new, block_size=K, eos_ids=())
 
   for proposer in proposers.values():                                        # warm-up, compiles
@@ -154,7 +157,7 @@ def main():
 
   out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
          "torch": torch.__version__, "jax": jax.__version__,
-         "prompt_len": a.prompt_len, "new": a.new, "max_len": max_len, "prompts": a.prompts, "block": K,
+         "prompt_len": a.prompt_len, "vary": a.vary, "new": a.new, "max_len": max_len, "prompts": a.prompts, "block": K,
          "drafter_layers": dcfg.num_hidden_layers,
          "step_ms (speculative_generate, per verify step, incl. prefill)":
              {name: statistics.median(v) for name, v in whole.items()},
