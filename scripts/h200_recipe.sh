@@ -36,9 +36,9 @@
 # pipeline's start until training must end: regeneration + training, default 1140; with the
 # dataset's greedy answers restored from .gpu_c, 920 keeps the 20 minutes: their regeneration
 # from scratch took 354 s with start-up, benchmarks/h200-2026-12-02d-faster-regen), EVAL_ARGS
-# (jax_drafter.evaluate's, default all 64 held-out prompts of 128 new tokens: a graphed verify
-# step is 3.9 ms against 58 ms eager, a whole evaluation with it not yet timed; earlier runs took
-# the first 32, `jax_drafter.tools.compare --first 32` pairs the two), LIMIT (the call's seconds,
+# (jax_drafter.evaluate's, default all 64 held-out prompts of 128 new tokens, the target alone
+# timed on all 64 too: ~3 minutes with start-up, benchmarks/h200-2026-12-04k-caches-per-prompt;
+# earlier runs took the first 32, `jax_drafter.tools.compare --first 32` pairs the two), LIMIT (the call's seconds,
 # default 580), ARMS ("name:overrides;name:overrides": launch runs the pipeline once per arm, in
 # order, with BUDGET_S per arm; logs come back in arm-NAME/).
 # The machine is released 30 s after a call ends: issue each next call at once.
@@ -58,7 +58,7 @@ COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
 held_out_eval() {  # jax_drafter.evaluate's arguments choosing the drafter -> $L/eval.{json,log}
   python3 -m jax_drafter.evaluate "$@" --target-path "$D/smollm2" --gguf-file "$GGUF" \
-      ${EVAL_ARGS:---num-prompts 64 --max-new-tokens 128} --json "$L/eval.json" > "$L/eval.log" 2>&1
+      ${EVAL_ARGS:---num-prompts 64 --max-new-tokens 128 --speed-prompts 64} --json "$L/eval.json" > "$L/eval.log" 2>&1
   rc=$?; tail -n 12 "$L/eval.log"
   echo "evaluate rc=$rc after $(( $(date +%s) - P0 )) s" > "$DONE"
 }
