@@ -61,3 +61,26 @@ def test_graphed_verify_equals_eager(dtype):
   assert (spec_decode.target_generate(graphed, prompt, max_new_tokens=64).tokens
           == spec_decode.target_generate(eager, prompt, max_new_tokens=64).tokens)
   assert (1, False, False) in graphed._graphs  # target-only decoding replays its own graph
+
+
+def test_bucketed_graphs_decode_each_size_like_eager():
+  """Caches sized per prompt, each size with its own CUDA graphs: prompts alternating between
+  two sizes decode exactly as the eager static decoders of the same sizes (f32), and as the
+  dynamic decoder and the target's greedy output."""
+  target = _target(torch.float32)
+  g = torch.Generator().manual_seed(2)
+  short, long = (torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (30, 300))
+  graphed = spec_decode.BucketedStaticDecoder(target, (1, 3), room=64 + 16, max_len=300 + 80)
+  eager = spec_decode.BucketedStaticDecoder(target, (1, 3), room=64 + 16, max_len=300 + 80,
+                                            cuda_graph=False)
+  dyn = spec_decode.TargetDecoder(target, (1, 3))
+  for prompt in (short, long, short, long):
+    ref = spec_decode.target_generate(dyn, prompt, max_new_tokens=64).tokens
+    runs = [spec_decode.speculative_generate(d, CorruptedOracle(ref, 16, VOCAB), prompt,
+                                             max_new_tokens=64, block_size=16)
+            for d in (graphed, eager)]
+    assert runs[0].tokens == runs[1].tokens == ref and runs[0].accepted == runs[1].accepted
+    assert graphed.current.max_len == (256 if prompt is short else 384)   # 380 rounded to 64s
+    assert spec_decode.target_generate(graphed, prompt, max_new_tokens=64).tokens == ref
+  assert sorted(graphed.decoders) == [256, 380]
+  assert all((16, True, False) in d._graphs and d.cuda_graph for d in graphed.decoders.values())
