@@ -7,7 +7,11 @@ A target of SmolLM2-135M's shapes and a drafter of configs/smollm2-h200.yaml's s
 random weights in bf16 (the costs do not depend on the weights; a random drafter's drafts are
 rejected, so every step makes one token and the context grows by one position a step).
 
-  python scripts/bench_spec_step.py [--prompt-len 200] [--new 128] [--prompts 4] [--max-len N] [--json F]
+  python scripts/bench_spec_step.py [--prompt-len 200] [--new 128] [--prompts 4] [--vary N]
+                                    [--max-len N] [--json F]
+
+Both caches are sized per prompt as `evaluate` sizes them (the target's in powers of two from 256
+positions); --max-len sizes them for N positions whatever the prompt (as evaluate did before).
 
 Reports medians over all steps of --prompts prompts: each phase timed alone (synchronised before
 and after, so their sum exceeds the unsynchronised step), the whole step as `evaluate` runs it
@@ -15,7 +19,8 @@ and after, so their sum exceeds the unsynchronised step), the whole step as `eva
 drafter's two ways of taking a step's features: "fused" (evaluate's default: appended in the next
 proposal's compiled call) and "separate" (appended in a call of their own, then the proposal),
 and for the prompt's features appended in chunks of 256 rows (the default) or of one block
-("prompt in blocks", as before: a 1000-token prompt took 63 calls).
+("prompt in blocks", as before: a 1000-token prompt took 63 calls). The fused call is split into
+its dispatch and the wait for the device; the DLPack imports of the features are timed apart.
 """
 
 import argparse
@@ -49,13 +54,13 @@ class _Timer:
   def __init__(self):
     self.ms = {}
 
-  def __call__(self, name, fn, *a, **kw):
+  def __call__(self, phase, fn, /, *a, **kw):
     _sync()
     t0 = time.perf_counter()
     out = fn(*a, **kw)
     jax.block_until_ready([x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)])
     _sync()
-    self.ms.setdefault(name, []).append(1e3 * (time.perf_counter() - t0))
+    self.ms.setdefault(phase, []).append(1e3 * (time.perf_counter() - t0))
     return out
 
 
@@ -90,14 +95,33 @@ class _TimedProposer:
     return self.t("propose (drafter)", self.p.propose, last, temperature)
 
 
+def _split_fused_call(session, timer):
+  """Times the fused call's dispatch (until the jitted call returns) apart from the wait for its
+  results on the device; the rest of "propose" is the DLPack import, reading the draft back to the
+  host and Python."""
+  call = session.__dict__.setdefault("_untimed_extend_propose", session._extend_propose)
+
+  def timed(*args):
+    t0 = time.perf_counter()
+    out = call(*args)
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    timer.ms.setdefault("  of which dispatching the fused call", []).append(1e3 * (t1 - t0))
+    timer.ms.setdefault("  of which waiting for it on the device", []).append(
+        1e3 * (time.perf_counter() - t1))
+    return out
+  session._extend_propose = timed
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--prompt-len", type=int, default=200)
   ap.add_argument("--new", type=int, default=128)
   ap.add_argument("--prompts", type=int, default=4)
   ap.add_argument("--max-len", type=int, default=None,
-                  help="positions the caches are sized for (evaluate sizes them for its longest "
-                       "prompt + new tokens + a block; default: this prompt's)")
+                  help="size both caches for this many positions, for every prompt (as evaluate "
+                       "did until 5901c37: its longest prompt + new tokens + a block); default: "
+                       "sized per prompt, as evaluate does now")
   ap.add_argument("--vary", type=int, default=0,
                   help="prompt i gets prompt-len + i x VARY tokens (every prompt a new length, as "
                        "in an evaluation; default: all the same length)")
@@ -117,21 +141,27 @@ def main():
   frozen = import_frozen(target.embedding, target.lm_head, keep)
   session = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                            block_size=K)
-  max_len = a.max_len or a.prompt_len + a.prompts * a.vary + a.new + K
+  room = a.new + K
+  max_len = a.max_len or a.prompt_len + a.prompts * a.vary + room
   by_block = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                             block_size=K, prefill_chunk=K)
-  proposers = {"fused": _JaxProposer(session, max_len, seed=0),   # evaluate's default
-               "separate": _JaxProposer(session, max_len, seed=0, fuse=False),
-               "fused, prompt in blocks": _JaxProposer(by_block, max_len, seed=0)}
-  decoder = spec_decode.StaticTargetDecoder(target, dcfg.target_layer_ids, max_len=max_len)
+  per_prompt = None if a.max_len else room   # the drafter's context sized per prompt, or not
+  proposers = {"fused": _JaxProposer(session, max_len, seed=0, room=per_prompt),  # evaluate's
+               "separate": _JaxProposer(session, max_len, seed=0, fuse=False, room=per_prompt),
+               "fused, prompt in blocks": _JaxProposer(by_block, max_len, seed=0, room=per_prompt)}
+  decoder = (spec_decode.StaticTargetDecoder(target, dcfg.target_layer_ids, max_len=max_len)
+             if a.max_len else
+             spec_decode.BucketedStaticDecoder(target, dcfg.target_layer_ids, room=room,
+                                               max_len=max_len))
   g = torch.Generator().manual_seed(1)
   prompts = [torch.randint(3, 49000, (a.prompt_len + i * a.vary,), generator=g).tolist()
              for i in range(a.prompts + 1)]
   kw = dict(max_new_tokens=a.new, block_size=K, eos_ids=())
 
-  for proposer in proposers.values():                                        # warm-up, compiles
-    spec_decode.speculative_generate(decoder, proposer, prompts[0], **kw)
-  spec_decode.target_generate(decoder, prompts[0], max_new_tokens=8)
+  for p in prompts:               # warm-up: compiles and captures each cache size the prompts use
+    for proposer in proposers.values():
+      spec_decode.speculative_generate(decoder, proposer, p, **dict(kw, max_new_tokens=2 * K + 2))
+    spec_decode.target_generate(decoder, p, max_new_tokens=8)
   whole, target_tok = {name: [] for name in proposers}, []
   prompt_ms, target_prompt_ms = {name: [] for name in proposers}, []
   for p in prompts[1:]:
@@ -144,16 +174,21 @@ def main():
     target_prompt_ms.append(1e3 * ref.seconds)
 
   phases = {}
-  accept = spec_decode.accept
+  accept, put = spec_decode.accept, Handoff.put
   try:
     for name, proposer in proposers.items():
       timer = phases[name] = _Timer()
       spec_decode.accept = lambda *x, t=timer, **y: t("accept", accept, *x, **y)
+      Handoff.put = lambda *x, t=timer, **y: t("  of which the features' DLPack import", put, *x, **y)
+      _split_fused_call(proposer.session, timer)
       for p in prompts[1:]:
         spec_decode.speculative_generate(_TimedDecoder(decoder, timer),
                                          _TimedProposer(proposer, timer), p, **kw)
   finally:
-    spec_decode.accept = accept
+    spec_decode.accept, Handoff.put = accept, put
+    for proposer in proposers.values():
+      s = proposer.session
+      s._extend_propose = s.__dict__.pop("_untimed_extend_propose", s._extend_propose)
 
   out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
          "torch": torch.__version__, "jax": jax.__version__,
