@@ -244,3 +244,22 @@ def test_walk_tau_follows_the_verify_steps_of_greedy_decoding():
   assert w["tau_stderr"] == pytest.approx(np.std(taus, ddof=1) / np.sqrt(2))  # over responses
   # The per-block mean over all anchors would say more: easy stretches count once per position.
   assert np.mean(np.array(values) + 1) > w["tau"]
+
+
+@pytest.mark.parametrize("block", [None, 128, 7])
+def test_row_argmax_max_is_jnp_argmax_ties_and_padding_included(block):
+  """The two-pass argmax (blocks' maxima, then within the first block holding the maximum) gives
+  jnp.argmax's first index of the maximum and the row max, for a vocabulary that is not a multiple
+  of the block, ties inside and across blocks, -inf entries and rows of one value."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((9, 1000)).astype(np.float32)
+  x[1, [3, 700]] = 9.0              # a tie across blocks: the first index wins
+  x[2, [130, 131]] = 9.0            # a tie inside one block
+  x[3, :] = -np.inf
+  x[3, 999] = 0.0                   # the maximum in the last, partial block
+  x[4, :] = 1.5                     # every entry equal: index 0
+  x[5, :] = np.round(x[5, :])       # many ties
+  pred, top = objective.row_argmax_max(jnp.asarray(x), block)
+  np.testing.assert_array_equal(np.asarray(pred), np.argmax(x, axis=-1))
+  np.testing.assert_array_equal(np.asarray(top), np.max(x, axis=-1))
+  assert pred.dtype == jnp.int32
