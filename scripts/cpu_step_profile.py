@@ -1,0 +1,84 @@
+"""Time the default run's train step on this machine and list where it goes, op by op.
+
+The step of `configs/smollm2.yaml` (or --config), random weights and features of SmolLM2-135M's
+shapes, no target: the median of --steps timed steps, then a JAX profiler trace of 3 steps
+(perfetto JSON, no TensorBoard needed) summed by XLA op, largest first.
+
+  python scripts/cpu_step_profile.py [--config configs/smollm2.yaml] [--steps 8] [--top 15]
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge.target import TargetInfo
+from jax_drafter import step as step_lib
+from jax_drafter.config import load_config, resolve_drafter
+from jax_drafter.trainer import _attn_impl
+
+SMOLLM2 = TargetInfo(num_layers=30, hidden_size=576, vocab_size=49152, tokenizer_size=49152,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                     intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=8192, name="smollm2-shaped")
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default="configs/smollm2.yaml")
+  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--top", type=int, default=15)
+  a = ap.parse_args()
+  cfg = load_config(a.config)
+  t = cfg.train
+  d = resolve_drafter(cfg.drafter, SMOLLM2, mask_token_id=49151)
+  opt = step_lib.make_optimizer(t)
+  graphdef, state = step_lib.init_state(d, t, opt)
+  fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, t, opt, _attn_impl(t)))
+  B, S, F = cfg.data.batch_size, cfg.data.seq_len, 576 * len(d.target_layer_ids)
+  rng = np.random.default_rng(0)
+  mask = rng.integers(0, 2, (1, B, S)).astype(np.int32)
+  mask[..., :8] = 0
+  batch = {"input_ids": rng.integers(0, 49000, (1, B, S)).astype(np.int32), "loss_mask": mask,
+           "doc_id": np.zeros((1, B, S), np.int32),
+           "position_ids": np.tile(np.arange(S, dtype=np.int32), (1, B, 1)),
+           "features": jnp.asarray(rng.standard_normal((1, B, S, F)).astype(np.float32))}
+  head = jnp.asarray(rng.standard_normal((49152, 576)).astype(np.float32) * 0.02)
+  frozen = step_lib.frozen_in_compute_dtype({"embed": head, "lm_head": head}, t.compute_dtype)
+  state, m = fn(state, batch, frozen)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(a.steps):
+    t0 = time.perf_counter()
+    state, m = fn(state, batch, frozen)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+  print(f"{a.config}: {B} x {S} tokens, {t.num_anchors} anchors a row, block {d.block_size}, "
+        f"{d.num_hidden_layers} layer(s), compute {t.compute_dtype}: "
+        f"step {1e3 * np.median(times):.1f} ms (median of {a.steps})")
+  with tempfile.TemporaryDirectory() as tmp:
+    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+    for _ in range(3):
+      state, m = fn(state, batch, frozen)
+      jax.block_until_ready(m)
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)[0]))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  total = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e and not e["name"].startswith(("ThunkExecutor", "$")):
+      total[e["name"]] += e["dur"]
+  print("ms a step   XLA op (the dots run as XNNPACK 'ynn' fusions on recent XLA:CPU)")
+  for name, us in total.most_common(a.top):
+    print(f"{us / 3e3:9.2f}   {name[:100]}")
+
+
+if __name__ == "__main__":
+  main()
