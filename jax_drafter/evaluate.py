@@ -278,7 +278,10 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                             f"and block size {K} it needs {len(p) + max_new_tokens + K} positions, "
                             f"more than the target's context of {limit}; shorten it or lower "
                             "--max-new-tokens")
-  room = max_new_tokens + K
+  # Positions a sequence takes past its prompt: its new tokens and a verify block, or the
+  # warm-up's 2K + 2 tokens (below) where an evaluation asks for fewer.
+  warm_up_tokens = 2 * K + 2
+  room = max(max_new_tokens, warm_up_tokens) + K
   decoder = _decoder(target, cfg, decoder, max_len=max(map(len, ids)) + room, room=room)
   eos = spec_decode.eos_token_ids(target)
   keep = Handoff()  # the frozen embedding / LM head stay imported for the whole evaluation
@@ -303,7 +306,7 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
     sizes.setdefault(tuple(getattr(x, "size_for", lambda n: None)(len(p))
                            for x in (decoder, proposer)), p)
   for p in sizes.values():
-    spec_decode.speculative_generate(decoder, proposer, p, max_new_tokens=2 * K + 2,
+    spec_decode.speculative_generate(decoder, proposer, p, max_new_tokens=warm_up_tokens,
                                      block_size=K, seed=seed, temperature=temperature)
     if any(k not in cache for k in keys):
       spec_decode.target_generate(decoder, p, max_new_tokens=2, seed=seed, **kw)

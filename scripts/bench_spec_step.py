@@ -141,7 +141,7 @@ def main():
   frozen = import_frozen(target.embedding, target.lm_head, keep)
   session = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                            block_size=K)
-  room = a.new + K
+  room = max(a.new, 2 * K + 2) + K   # the new tokens or the warm-up's, and a verify block
   max_len = a.max_len or a.prompt_len + a.prompts * a.vary + room
   by_block = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
                             block_size=K, prefill_chunk=K)

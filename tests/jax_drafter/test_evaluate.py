@@ -108,6 +108,17 @@ def test_lossless_untrained_drafter(tiny_target):
   assert drafts[True] == drafts[False] and len(drafts[True]) == len(gen.accepted)
 
 
+def test_warm_up_fits_the_caches_of_a_short_evaluation(tiny_target):
+  """The warm-up decodes 2K + 2 tokens whatever max_new_tokens is: the caches sized per prompt
+  must hold that too. A 58-token prompt with 2 new tokens and blocks of 4 needs 64 positions;
+  its warm-up reaches 58 + 10 + a block."""
+  cfg, graphdef, params = tiny_drafter()
+  prompt = [5 + i % 50 for i in range(58)]
+  report = evaluate.evaluate_tau(tiny_target, cfg, graphdef, params, [prompt], max_new_tokens=2,
+                                 progress=False, decoder="static")
+  assert report["lossless"]["passed"] is True and report["per_prompt"][0]["new_tokens"] == 2
+
+
 def test_warm_up_compiles_every_drafter_call(tiny_target, monkeypatch, caplog):
   """Nothing compiles while a prompt is timed, whatever its length: the untimed warm-up of each
   cache size runs the prompt's chunk, the first proposal and the fused append + proposal of later
