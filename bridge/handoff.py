@@ -86,15 +86,17 @@ def import_frozen(embedding: torch.Tensor, lm_head: torch.Tensor, keep: "Handoff
 
 
 def padded_row_chunks(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
-  """t's rows (dim 0) in chunks of `rows`, the last zero-padded to full size (t is copied once,
-  only when its length is not a multiple): every chunk imports with the same shape, so a jitted
-  consumer compiles once and no shape-dependent pad or slice runs in JAX. Chunks are contiguous
-  views; they stay importable zero-copy when t's rows are 16-byte multiples."""
+  """t's rows (dim 0) in chunks of `rows`, the last zero-padded to full size: every chunk imports
+  with the same shape, so a jitted consumer compiles once and no shape-dependent pad or slice runs
+  in JAX. The full chunks are contiguous views of t (importable zero-copy when t's rows are
+  16-byte multiples); only a short last chunk is copied, into its padded one."""
   if rows < 1:
     raise ValueError(f"{rows=} must be >= 1")
-  if len(t) % rows:
-    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - len(t) % rows))
-  return list(t.split(rows))
+  chunks = list(t.split(rows))
+  if len(chunks[-1]) < rows:
+    last = chunks[-1]
+    chunks[-1] = torch.nn.functional.pad(last, (0, 0) * (t.dim() - 1) + (0, rows - len(last)))
+  return chunks
 
 
 def _expected_dtype(dt: torch.dtype):

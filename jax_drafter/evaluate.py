@@ -171,11 +171,12 @@ class _JaxProposer:
     self._pending = None   # (features of the last verify block, accepted + 1) not yet appended
 
   def _with(self, feats, use):
-    """use(the features as a JAX array): the DLPack import and its release around one call."""
+    """use(*the tensors of `feats` as JAX arrays): their DLPack imports, then one wait before
+    torch may reuse them (the calls in between are dispatched back to back)."""
     h = Handoff()
     # device: the drafter's; a target on another GPU gets one explicit copy (as in training).
-    out = use(h.put(feats, name="target features", device=self.device))
-    h.release_after(self.session.cache)  # torch may reuse the buffer only after JAX read it
+    out = use(*(h.put(f, name="target features", device=self.device) for f in feats))
+    h.release_after(self.session.cache)  # torch may reuse the buffers only after JAX read them
     return out
 
   def _positions(self, prompt_len: int) -> int:
@@ -192,14 +193,17 @@ class _JaxProposer:
     self._pending = None
     T, C = feats.shape[0], self.session.prefill_chunk
     self.session.reset(self._positions(T))
-    for i, chunk in enumerate(padded_row_chunks(feats, C)):
-      self._with(chunk, lambda x, n=min(C, T - i * C): self.session.extend(x, n))
+
+    def extend_all(*chunks):
+      for i, x in enumerate(chunks):
+        self.session.extend(x, min(C, T - i * C))
+    self._with(padded_row_chunks(feats, C), extend_all)
 
   def extend(self, feats, count):
     if self.fuse and feats.shape[0] == self.session.block_size:
       self._pending = (feats, count)
     else:
-      self._with(feats, lambda x: self.session.extend(x, count))
+      self._with([feats], lambda x: self.session.extend(x, count))
 
   def propose(self, last_token, temperature):
     self.steps += 1
@@ -208,7 +212,8 @@ class _JaxProposer:
     if self._pending is None:
       return self.session.propose(last_token, key)
     (feats, count), self._pending = self._pending, None
-    return self._with(feats, lambda x: self.session.extend_and_propose(x, count, last_token, key))
+    return self._with([feats],
+                      lambda x: self.session.extend_and_propose(x, count, last_token, key))
 
 
 DECODERS = ("auto", "static", "dynamic")

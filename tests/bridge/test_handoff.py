@@ -89,6 +89,7 @@ def test_padded_row_chunks_share_one_shape_and_keep_the_rows():
   assert [tuple(c.shape) for c in chunks] == [(4, 3), (4, 3)]
   torch.testing.assert_close(torch.cat(chunks)[:7], t)
   assert torch.count_nonzero(chunks[1][3:]) == 0 and all(c.is_contiguous() for c in chunks)
+  assert chunks[0].data_ptr() == t.data_ptr()   # full chunks stay views: only the last is copied
   exact = padded_row_chunks(t[:4], 2)
   assert len(exact) == 2 and exact[0].data_ptr() == t.data_ptr()   # a multiple: views, no copy
   with pytest.raises(ValueError, match="rows"):
