@@ -154,9 +154,9 @@ class DrafterSession:
     # Committed to the parameters' device like every cache a call returns: an uncommitted first
     # cache would compile each call a second time for the second chunk of a prompt.
     devices = jax.tree.leaves(self.params)[0].devices()
-    zeros = lambda: jnp.zeros(shape, self._dtype)
-    self.cache = ContextCache(*(jax.device_put(zeros(), next(iter(devices)))
-                                if len(devices) == 1 else zeros() for _ in range(2)))
+    device = next(iter(devices)) if len(devices) == 1 else None
+    self.cache = ContextCache(jnp.zeros(shape, self._dtype, device=device),
+                              jnp.zeros(shape, self._dtype, device=device))
     self.length = 0
 
   def positions_for(self, max_len: int) -> int:
