@@ -179,8 +179,7 @@ def row_argmax_max(x_CxV, block: int | None = 128):
 def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool,
                reuse_exp: bool | None = None):
   """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE.
-  reuse_exp: how the gradient's softmax is made (below), and whether the argmax runs in two
-  passes (row_argmax_max); None = by the default backend (both on a CPU)."""
+  reuse_exp: how the gradient's softmax is made (below); None = by the default backend."""
   w = w_VxD.astype(compute_dtype)
   # Contract D of both operands directly: XLA:CPU materialises `w.T` for `x @ w.T` (a [D, V] copy
   # per step, 3x the matmul's own time for SmolLM2's head); GPUs fold it either way.
@@ -190,9 +189,12 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
   # The gradient's softmax: on a CPU from the exp the log-sum-exp already made (one [C, V] buffer
   # more, 46 ms less of a 250 ms CPU step); on a GPU recomputed from the logits, so no second
   # [C, V] f32 buffer is kept alive (8192 x 49152 is 1.6 GB) and the memory plans stand.
+  on_cpu = jax.default_backend() == "cpu"
   if reuse_exp is None:
-    reuse_exp = jax.default_backend() == "cpu"
-  argmax_block = 128 if reuse_exp else None
+    reuse_exp = on_cpu
+  # The argmax in two passes on a CPU (row_argmax_max); GPUs keep XLA's one-pass argmax (the
+  # two-pass form is not measured there).
+  argmax_block = 128 if on_cpu else None
 
   def chunk(args):
     h_CxD, y_C, t_CxD = args
