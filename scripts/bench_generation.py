@@ -15,15 +15,21 @@ import torch
 from bridge import generation as G
 
 
+def smollm2_config():
+  """SmolLM2-135M-Instruct's architecture (a transformers LlamaConfig)."""
+  from transformers import LlamaConfig
+  return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
 def smollm2_shaped_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
   """SmolLM2-135M's architecture with random weights, bf16 on the GPU by default (speed does not
   depend on the weights; random ones never stop early)."""
-  from transformers import LlamaConfig, LlamaForCausalLM
-  cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+  from transformers import LlamaForCausalLM
   torch.manual_seed(0)
-  return LlamaForCausalLM(cfg).to(device, dtype).eval()
+  return LlamaForCausalLM(smollm2_config()).to(device, dtype).eval()
 
 
 class VocabOnlyTokenizer:

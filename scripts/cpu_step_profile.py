@@ -4,7 +4,7 @@ The step of `configs/smollm2.yaml` (or --config), random weights and features of
 shapes, no target: the median of --steps timed steps, then a JAX profiler trace of 3 steps
 (perfetto JSON, no TensorBoard needed) summed by XLA op, largest first.
 
-  python scripts/cpu_step_profile.py [--config configs/smollm2.yaml] [--steps 8] [--top 15]
+  PYTHONPATH=.:scripts python scripts/cpu_step_profile.py [--config configs/smollm2.yaml] [--steps 8] [--top 15]
 """
 
 import argparse
@@ -19,15 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.target import TargetInfo
+from bench_generation import smollm2_config   # scripts/ is on the path when run as a script
+from bridge.target import info_from_config
 from jax_drafter import step as step_lib
 from jax_drafter.config import load_config, resolve_drafter
 from jax_drafter.trainer import _attn_impl
 
-SMOLLM2 = TargetInfo(num_layers=30, hidden_size=576, vocab_size=49152, tokenizer_size=49152,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                     intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5,
-                     max_position_embeddings=8192, name="smollm2-shaped")
+SMOLLM2 = info_from_config(smollm2_config(), vocab_size=49152, tokenizer_size=49152,
+                           name="smollm2-shaped")
 
 
 def main():
