@@ -111,8 +111,8 @@ case "${1:-}" in
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/site .whl/*.whl || exit 1
     fi
-    # The GGUF's first half (.gpu_a) and the user turns (.gpu_u), from whichever call carries
-    # them; an earlier call's folders may still be on the machine.
+    # The GGUF's first piece (.gpu_a), its middle (.gpu_e) and the user turns (.gpu_u), from
+    # whichever call carries them; an earlier call's folders may still be on the machine.
     [ -f .gpu_a/gguf.part0 ] && { cp .gpu_a/gguf.part0 "$D/gguf.part0" || exit 1; }
     [ -f .gpu_e/gguf.mid ] && { cp .gpu_e/gguf.mid "$D/gguf.mid" || exit 1; }
     for f in .gpu_*/sharegpt_user_turns.jsonl.gz; do
