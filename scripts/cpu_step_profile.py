@@ -5,6 +5,7 @@ shapes, no target: the median of --steps timed steps, then a JAX profiler trace 
 (perfetto JSON, no TensorBoard needed) summed by XLA op, largest first.
 
   PYTHONPATH=.:scripts python scripts/cpu_step_profile.py [--config configs/smollm2.yaml] [--steps 8] [--top 15]
+      [section.key=value ...]        e.g. train.compute_dtype=float32
 """
 
 import argparse
@@ -34,22 +35,24 @@ def main():
   ap.add_argument("--config", default="configs/smollm2.yaml")
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--top", type=int, default=15)
+  ap.add_argument("overrides", nargs="*", help="section.key=value, as for jax_drafter.train")
   a = ap.parse_args()
-  cfg = load_config(a.config)
+  cfg = load_config(a.config, a.overrides)
   t = cfg.train
-  d = resolve_drafter(cfg.drafter, SMOLLM2, mask_token_id=49151)
+  V, D = SMOLLM2.vocab_size, SMOLLM2.hidden_size
+  d = resolve_drafter(cfg.drafter, SMOLLM2, mask_token_id=V - 1)
   opt = step_lib.make_optimizer(t)
   graphdef, state = step_lib.init_state(d, t, opt)
   fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, t, opt, _attn_impl(t)))
-  B, S, F = cfg.data.batch_size, cfg.data.seq_len, 576 * len(d.target_layer_ids)
+  B, S, F = cfg.data.batch_size, cfg.data.seq_len, D * len(d.target_layer_ids)
   rng = np.random.default_rng(0)
   mask = rng.integers(0, 2, (1, B, S)).astype(np.int32)
   mask[..., :8] = 0
-  batch = {"input_ids": rng.integers(0, 49000, (1, B, S)).astype(np.int32), "loss_mask": mask,
+  batch = {"input_ids": rng.integers(0, V - 152, (1, B, S)).astype(np.int32), "loss_mask": mask,
            "doc_id": np.zeros((1, B, S), np.int32),
            "position_ids": np.tile(np.arange(S, dtype=np.int32), (1, B, 1)),
            "features": jnp.asarray(rng.standard_normal((1, B, S, F)).astype(np.float32))}
-  head = jnp.asarray(rng.standard_normal((49152, 576)).astype(np.float32) * 0.02)
+  head = jnp.asarray(rng.standard_normal((V, D)).astype(np.float32) * 0.02)
   frozen = step_lib.frozen_in_compute_dtype({"embed": head, "lm_head": head}, t.compute_dtype)
   state, m = fn(state, batch, frozen)
   jax.block_until_ready(m)
@@ -59,7 +62,7 @@ def main():
     state, m = fn(state, batch, frozen)
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
-  print(f"{a.config}: {B} x {S} tokens, {t.num_anchors} anchors a row, block {d.block_size}, "
+  print(f"{a.config} {' '.join(a.overrides)}: {B} x {S} tokens, {t.num_anchors} anchors a row, block {d.block_size}, "
         f"{d.num_hidden_layers} layer(s), compute {t.compute_dtype}: "
         f"step {1e3 * np.median(times):.1f} ms (median of {a.steps})")
   with tempfile.TemporaryDirectory() as tmp:
