@@ -60,6 +60,7 @@ class DrafterConfig:
   rms_norm_eps: float = 1e-6
   rope_theta: float = 1_000_000.0
   max_position_embeddings: int = 32768
+  draft_vocab_size: int | None = None   # None: drafts from the whole vocabulary (draft_vocab.py)
 
   def __post_init__(self):
     object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -91,6 +92,10 @@ class DrafterConfig:
     if not 0 <= self.mask_token_id < self.vocab_size:
       raise ConfigError(f"drafter.mask_token_id={self.mask_token_id} is outside the embedding table "
                         f"(0..{self.vocab_size - 1})")
+    n = self.draft_vocab_size
+    if n is not None and not 2 <= n <= self.vocab_size:
+      raise ConfigError(f"drafter.draft_vocab_size={n} must be between 2 and the target's "
+                        f"vocabulary ({self.vocab_size}), or null for the whole vocabulary")
 
   def window(self, layer: int) -> int | None:
     return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -124,7 +129,7 @@ class DrafterConfig:
         "dflash_config": {"mask_token_id": self.mask_token_id,
                           "target_layer_ids": list(self.target_layer_ids)},
         "torch_dtype": "bfloat16",
-    }
+    } | ({} if self.draft_vocab_size is None else {"draft_vocab_size": self.draft_vocab_size})
 
   @classmethod
   def from_zlab(cls, d: dict[str, Any], *, source: str = "config.json") -> "DrafterConfig":
@@ -141,7 +146,8 @@ class DrafterConfig:
           block_size=d.get("block_size", 16), layer_types=tuple(d.get("layer_types") or ()),
           sliding_window=d.get("sliding_window"), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
           rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6)),
-          max_position_embeddings=d.get("max_position_embeddings", 32768))
+          max_position_embeddings=d.get("max_position_embeddings", 32768),
+          draft_vocab_size=d.get("draft_vocab_size"))
     except KeyError as e:
       raise ConfigError(f"{source}: missing field {e.args[0]!r} of a DFlash drafter config") from None
     except TypeError as e:
@@ -254,6 +260,9 @@ class DrafterSection:
   head_dim: int | None = None
   rope_theta: float | None = None
   rms_norm_eps: float | None = None
+  # Draft only from the N tokens most frequent in the training answers (EAGLE-3's reduced draft
+  # vocabulary): an N-row LM head in training and decoding; tokens outside it are never drafted.
+  draft_vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -430,6 +439,12 @@ class RunConfig:
   data: DataSection = field(default_factory=DataSection)
   train: TrainSection = field(default_factory=TrainSection)
 
+  def __post_init__(self):
+    if self.drafter.draft_vocab_size is not None and self.train.kd_weight:
+      raise ConfigError(f"train.kd_weight={self.train.kd_weight} with drafter.draft_vocab_size="
+                        f"{self.drafter.draft_vocab_size}: distillation compares the target's whole "
+                        "next-token distribution with the drafter's; set one of them to 0 / null")
+
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
@@ -587,4 +602,5 @@ def resolve_drafter(d: DrafterSection, target_info, mask_token_id: int) -> Draft
       sliding_window=d.sliding_window,
       rms_norm_eps=pick(d.rms_norm_eps, target_info.rms_norm_eps),
       rope_theta=pick(d.rope_theta, target_info.rope_theta),
-      max_position_embeddings=target_info.max_position_embeddings)
+      max_position_embeddings=target_info.max_position_embeddings,
+      draft_vocab_size=d.draft_vocab_size)

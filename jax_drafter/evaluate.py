@@ -38,7 +38,7 @@ from bridge import spec_decode
 from bridge.handoff import Handoff, import_frozen, padded_row_chunks
 from bridge.target import Target, TargetError, check_mask_token_id, load_target
 from jax_drafter import data as data_lib
-from jax_drafter import objective
+from jax_drafter import draft_vocab, objective
 from jax_drafter.config import ConfigError, DrafterConfig
 from jax_drafter.inference import DrafterSession
 
@@ -240,12 +240,14 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
                  seed: int = 0, progress: bool = True, proposer=None,
                  frozen: dict | None = None, reference_cache: dict | None = None,
                  reference: str = "batched", speed_prompts: int = 4,
-                 decoder: str = "auto") -> dict:
+                 decoder: str = "auto", draft_vocab=None) -> dict:
   """Speculative decoding of every prompt (list of messages ending with a user turn, or token ids)
   plus the target alone on the same prompts. -> report dict (see `summarize`).
 
   `frozen` ({"embed", "lm_head"} JAX arrays, e.g. the training loop's) avoids importing the
   target's embedding and LM head again.
+  `draft_vocab`: the drafter's reduced draft vocabulary (int32 ids, draft_vocab.py), or None for
+  the whole vocabulary (or the one `frozen["draft_ids"]` carries).
   `proposer` replaces the JAX drafter (tests use an oracle); it must follow spec_decode.Proposer.
   `reference_cache`: target-only generations by (prompt ids, max_new_tokens, temperature, seed),
   filled and reused: a frozen target's reference never changes, so repeated evaluations (the
@@ -295,8 +297,10 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
     device = next(iter(devices)) if len(devices) == 1 else None
     if frozen is None:
       frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
+    if draft_vocab is None:
+      draft_vocab = frozen.get("draft_ids")
     session = DrafterSession(cfg, graphdef, params, frozen["embed"], frozen["lm_head"],
-                             block_size=K, temperature=temperature)
+                             block_size=K, temperature=temperature, draft_ids=draft_vocab)
     proposer = _JaxProposer(session, max(map(len, ids)) + room, seed, device, room=room)
   kw = dict(eos_ids=eos, temperature=temperature)
   cache = {} if reference_cache is None else reference_cache
@@ -537,7 +541,7 @@ def _parse(argv):
 
 
 def _exported_of_run(run_dir: str, which: str):
-  """(cfg, graphdef, params, run_config) of a drafter the run exported (`which`: "best", the best
+  """(cfg, graphdef, params, draft vocabulary or None, run_config) of a drafter the run exported (`which`: "best", the best
   validation tau, or "export", the end of training), with the settings RUN/config.json records."""
   conf = os.path.join(run_dir, "config.json")
   try:
@@ -558,7 +562,7 @@ def _exported_of_run(run_dir: str, which: str):
     raise EvaluationError(f"{run_dir} has no {which}/ drafter ({where}): {missing}")
   from jax_drafter.export import read_zlab
   cfg, graphdef, params = read_zlab(where)
-  return cfg, graphdef, params, run_config
+  return cfg, graphdef, params, draft_vocab.read(where, cfg), run_config
 
 
 def main(argv=None) -> int:
@@ -568,15 +572,17 @@ def main(argv=None) -> int:
   args = _parse(argv)
   try:
     if args.best or args.export:
-      cfg, graphdef, params, run_config = _exported_of_run(args.run_dir,
-                                                           "best" if args.best else "export")
+      cfg, graphdef, params, vocab, run_config = _exported_of_run(
+          args.run_dir, "best" if args.best else "export")
     elif args.run_dir:
       from jax_drafter.checkpoint import load_params
       cfg, graphdef, params, meta = load_params(args.run_dir, args.step)
+      vocab = draft_vocab.from_meta(meta, cfg, source=f"{args.run_dir}/checkpoints")
       run_config = meta.get("run_config") or {}
     else:
       from jax_drafter.export import read_zlab
       cfg, graphdef, params = read_zlab(args.drafter_dir)
+      vocab = draft_vocab.read(args.drafter_dir, cfg)
       run_config = {}
     tc = run_config.get("target") or {}
     path = args.target_path or tc.get("path")
@@ -603,7 +609,7 @@ def main(argv=None) -> int:
                           max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                           temperature=args.temperature, seed=args.seed,
                           reference=args.reference, speed_prompts=args.speed_prompts,
-                          decoder=args.decoder)
+                          decoder=args.decoder, draft_vocab=vocab)
   except (EvaluationError, ConfigError, TargetError, data_lib.DataError, FileNotFoundError,
           ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

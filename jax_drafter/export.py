@@ -4,6 +4,7 @@ The directory holds `config.json` (DrafterConfig.to_zlab) and `model.safetensors
 names (`fc.weight`, `hidden_norm.weight`, `layers.{i}.self_attn.q_proj.weight`, ..., `norm.weight`),
 Linear weights in PyTorch's [out, in] layout, no embedding and no LM head (the target's are used).
 This is what SGLang, vLLM and z-lab's `DFlashDraftModel` load. safetensors only: nothing is pickled.
+A drafter with a reduced draft vocabulary also gets `draft_vocab.json` (jax_drafter.draft_vocab).
 
 CLI: python -m jax_drafter.export --run-dir RUN [--step N] --out DIR [--dtype bfloat16|float32]
 """
@@ -20,6 +21,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from jax_drafter import draft_vocab
 from jax_drafter.config import ZLAB_CONFIG, ZLAB_WEIGHTS, DrafterConfig, check_names_and_shapes
 from jax_drafter.params import abstract_model, from_flat, to_flat
 
@@ -53,8 +55,11 @@ def from_zlab_arrays(cfg: DrafterConfig, arrays: dict[str, np.ndarray], *, sourc
   return from_flat(cfg, flat, source=source)
 
 
-def write_zlab(out_dir: str, cfg: DrafterConfig, params, dtype: str = "bfloat16") -> str:
-  """Write config.json + model.safetensors into out_dir (files replaced atomically). Returns out_dir."""
+def write_zlab(out_dir: str, cfg: DrafterConfig, params, dtype: str = "bfloat16",
+               vocab=None) -> str:
+  """Write config.json + model.safetensors into out_dir (files replaced atomically), and with a
+  reduced draft vocabulary (`vocab`, the ids) draft_vocab.json. Returns out_dir."""
+  vocab = draft_vocab.check(vocab, cfg, source=f"export to {out_dir}")
   arrays = to_zlab_arrays(params, dtype)
   check_names_and_shapes(zlab_shapes(cfg), {k: v.shape for k, v in arrays.items()},
                          source=f"export to {out_dir}")
@@ -72,6 +77,10 @@ def write_zlab(out_dir: str, cfg: DrafterConfig, params, dtype: str = "bfloat16"
   for tmp in (tmp_w, tmp_c):
     os.chmod(tmp, 0o666 & ~umask)
   os.replace(tmp_w, os.path.join(out_dir, ZLAB_WEIGHTS))
+  if vocab is not None:         # before config.json: a config that names it finds it
+    draft_vocab.write(out_dir, vocab)
+  elif os.path.exists(os.path.join(out_dir, draft_vocab.FILE)):
+    os.remove(os.path.join(out_dir, draft_vocab.FILE))
   os.replace(tmp_c, os.path.join(out_dir, ZLAB_CONFIG))
   log.info("exported drafter (%s) to %s", dtype, out_dir)
   return out_dir
@@ -104,11 +113,12 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   from jax_drafter.checkpoint import load_params
   try:
-    cfg, _, params, _ = load_params(args.run_dir, args.step)
+    cfg, _, params, meta = load_params(args.run_dir, args.step)
+    vocab = draft_vocab.from_meta(meta, cfg, source=f"{args.run_dir}/checkpoints")
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  write_zlab(args.out, cfg, params, args.dtype)
+  write_zlab(args.out, cfg, params, args.dtype, vocab)
   print(f"wrote {os.path.join(args.out, ZLAB_WEIGHTS)} and {ZLAB_CONFIG} ({args.dtype})")
   return 0
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_drafter import draft_vocab
 from jax_drafter.config import DrafterConfig
 
 
@@ -74,28 +75,35 @@ def _block_hidden(graphdef, params, cache: ContextCache, n, last_token, mask_tok
 
 
 def _propose(graphdef, params, cache, n, last_token, mask_token_id, embed_VxD, lm_head_VxD, key,
-             *, attn_impl: dict, temperature: float, K: int):
-  """-> (draft ids int32 [K-1], draft probabilities f32 [K-1, V] or None when greedy)."""
+             draft_ids=None, *, attn_impl: dict, temperature: float, K: int):
+  """-> (draft ids int32 [K-1], draft probabilities f32 [K-1, V] or None when greedy).
+  draft_ids int32 [N]: lm_head_VxD holds only those rows (a reduced draft vocabulary); the
+  drafted row is mapped back to its target id, the probabilities scattered to all V ids."""
   h = _block_hidden(graphdef, params, cache, n, last_token, mask_token_id, embed_VxD,
                     attn_impl=attn_impl, K=K)[1:]
   cd = h.dtype
   # Same numerics as objective.chunked_cross_entropy: compute dtype in, f32 accumulation.
   logits = jnp.einsum("kd,vd->kv", h, lm_head_VxD.astype(cd), preferred_element_type=jnp.float32)
+  ids = lambda rows: rows if draft_ids is None else jnp.take(draft_ids, rows)
   if temperature <= 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    return ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
   scaled = logits / temperature
-  return (jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32),
-          jax.nn.softmax(scaled, axis=-1))
+  probs = jax.nn.softmax(scaled, axis=-1)
+  if draft_ids is not None:
+    probs = jnp.zeros((probs.shape[0], embed_VxD.shape[0]), probs.dtype).at[:, draft_ids].set(probs)
+  return ids(jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)), probs
 
 
 def _extend_propose(graphdef, params, cache, n, feats_CxF, count, last_token, mask_token_id,
-                    embed_VxD, lm_head_VxD, key, *, attn_impl: dict, temperature: float, K: int):
+                    embed_VxD, lm_head_VxD, key, draft_ids=None, *, attn_impl: dict,
+                    temperature: float, K: int):
   """One verify step's drafter work in one call: append the accepted positions' features
   (`count` of the C rows, at n..) and propose the next block [last_token, MASK, ...] at n + count.
   -> (cache, draft ids [K-1], draft probabilities or None)."""
   cache = _extend(graphdef, params, cache, n, feats_CxF)
   ids, probs = _propose(graphdef, params, cache, n + count, last_token, mask_token_id, embed_VxD,
-                        lm_head_VxD, key, attn_impl=attn_impl, temperature=temperature, K=K)
+                        lm_head_VxD, key, draft_ids, attn_impl=attn_impl,
+                        temperature=temperature, K=K)
   return cache, ids, probs
 
 
@@ -124,15 +132,23 @@ class DrafterSession:
 
   def __init__(self, cfg: DrafterConfig, graphdef, params, embed_VxD, lm_head_VxD, *,
                block_size: int | None = None, attn_impl: dict | None = None,
-               temperature: float = 0.0, prefill_chunk: int = 256):
+               temperature: float = 0.0, prefill_chunk: int = 256, draft_ids=None):
     """prefill_chunk: rows a call appends when more than one block's are given (a prompt): one
-    compiled shape for every prompt length, a 1000-token prompt in 4 calls instead of 63."""
+    compiled shape for every prompt length, a 1000-token prompt in 4 calls instead of 63.
+    draft_ids: the drafter's reduced draft vocabulary (int32 [N], draft_vocab.py), None for the
+    whole one; lm_head_VxD is the target's whole head either way."""
     self.cfg = cfg
     self.block_size = block_size or cfg.block_size
     if not 2 <= self.block_size <= cfg.block_size:
       raise ValueError(f"block_size={self.block_size} must be in [2, {cfg.block_size}] "
                        f"(the drafter was trained with block_size={cfg.block_size})")
     self.params, self.embed, self.lm_head = params, embed_VxD, lm_head_VxD
+    self.draft_ids = None
+    draft_vocab.check(None if draft_ids is None else np.asarray(draft_ids), cfg,
+                      source="the drafter session")
+    if draft_ids is not None:   # the head's rows of the draft vocabulary, gathered once
+      self.draft_ids = jax.device_put(np.asarray(draft_ids, np.int32), lm_head_VxD.sharding)
+      self.lm_head = jnp.take(lm_head_VxD, self.draft_ids, axis=0)
     self.temperature = float(temperature)
     self.prefill_chunk = max(int(prefill_chunk), self.block_size)
     model = nnx.merge(graphdef, params)
@@ -203,7 +219,8 @@ class DrafterSession:
     key = jax.random.key(0) if key is None else key
     self.cache, ids, probs = self._extend_propose(
         self.params, self.cache, np.int32(self.length), feats_CxF, np.int32(count),
-        np.int32(last_token), np.int32(self.cfg.mask_token_id), self.embed, self.lm_head, key)
+        np.int32(last_token), np.int32(self.cfg.mask_token_id), self.embed, self.lm_head, key,
+        self.draft_ids)
     self.length += count
     return np.asarray(ids), None if probs is None else np.asarray(probs)
 
@@ -217,5 +234,5 @@ class DrafterSession:
     key = jax.random.key(0) if key is None else key
     ids, probs = self._propose(self.params, self.cache, np.int32(self.length),
                                np.int32(last_token), np.int32(self.cfg.mask_token_id), self.embed,
-                               self.lm_head, key)
+                               self.lm_head, key, self.draft_ids)
     return np.asarray(ids), None if probs is None else np.asarray(probs)

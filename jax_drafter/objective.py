@@ -272,10 +272,14 @@ def accepted_lengths(pred_BxQ, blocks: Blocks, block_size: int):
   return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)
 
 
-def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int, kl_BxQ=None) -> Sums:
-  """ce_BxQ: the per-token objective; kl_BxQ: the distillation KL (a metric) when there is one."""
-  w = blocks.weights
-  on = w > 0
+def block_sums(ce_BxQ, pred_BxQ, blocks: Blocks, block_size: int, kl_BxQ=None, *,
+               loss_weights=None) -> Sums:
+  """ce_BxQ: the per-token objective; kl_BxQ: the distillation KL (a metric) when there is one.
+  loss_weights: the objective's weights where they differ from blocks.weights (a reduced draft
+  vocabulary leaves out labels it cannot draft); accuracy and acceptance count every supervised
+  token either way."""
+  on = blocks.weights > 0
+  w = blocks.weights if loss_weights is None else loss_weights
   correct = (pred_BxQ == blocks.labels) & on
   accept = accepted_lengths(pred_BxQ, blocks, block_size)
   valid = blocks.block_valid

@@ -2,7 +2,8 @@
 
 batch: dict of [A, B, S] int32 arrays (A = gradient-accumulation micro-steps) input_ids,
 loss_mask, doc_id, position_ids, and `features` [A, B, S, F] (target hidden states, imported
-through DLPack: never donated). frozen: {"embed": [V, D], "lm_head": [V, D]} (never donated).
+through DLPack: never donated). frozen: {"embed": [V, D], "lm_head": [V, D]} (never donated), plus
+"draft_head", "draft_ids" and "to_draft" with a reduced draft vocabulary (draft_vocab.py).
 The loss is sum(CE * w) / sum(w) with sum(w) over the whole global batch (all micro-steps).
 """
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jax_drafter import objective
+from jax_drafter import draft_vocab, objective
 from jax_drafter.config import DrafterConfig, TrainSection
 from jax_drafter.model import Drafter
 
@@ -70,7 +71,7 @@ def frozen_in_compute_dtype(frozen: dict, compute_dtype: str) -> dict:
   narrowed = {}
 
   def cast(x):
-    if jnp.dtype(x.dtype).itemsize <= cd.itemsize:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize <= cd.itemsize:
       return x
     if id(x) not in narrowed:
       narrowed[id(x)] = x.astype(cd)
@@ -108,10 +109,16 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
   h = model(noise_emb, features.astype(cd), micro["position_ids"], blocks.positions,
             blocks.anchors, blocks.doc_start, blocks.block_valid, remat=t.remat,
             attn_impl=attn_impl, dropout_rate=t.dropout, dropout_key=drop_key)
-  ce, pred, kl = supervised_ce(h, frozen["lm_head"], blocks.labels, cfg.block_size,
+  head, labels, loss_weights = frozen["lm_head"], blocks.labels, None
+  if "draft_ids" in frozen:     # a reduced draft vocabulary (draft_vocab.py)
+    labels, inside = draft_vocab.to_draft_labels(frozen, labels)
+    head, loss_weights = frozen["draft_head"], jnp.where(inside, blocks.weights, 0.0)
+  ce, pred, kl = supervised_ce(h, head, labels, cfg.block_size,
                                chunk_size=t.ce_chunk_size, compute_dtype=cd,
                                teacher=teacher, anchors=blocks.anchors, kd_weight=t.kd_weight)
-  sums = objective.block_sums(ce, pred, blocks, cfg.block_size, kl)
+  if "draft_ids" in frozen:
+    pred = draft_vocab.to_target_ids(frozen, pred)
+  sums = objective.block_sums(ce, pred, blocks, cfg.block_size, kl, loss_weights=loss_weights)
   if return_aux:
     return sums, (blocks, h, ce, pred)
   return sums

@@ -108,7 +108,8 @@ def main(argv=None, *, first_step=None) -> int:
   if not args.no_export and summary["final_step"] > 0 and jax.process_index() == 0:
     from jax_drafter.export import write_zlab
     export_dir = cfg.train.export_dir or os.path.join(out, "export")
-    write_zlab(export_dir, summary["drafter_config"], summary["params"])
+    write_zlab(export_dir, summary["drafter_config"], summary["params"],
+               vocab=summary["draft_vocab"])
     log.info("exported z-lab drafter to %s", export_dir)
   first, last = summary["first"], summary["last"]
   if first and last:

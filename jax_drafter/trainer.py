@@ -25,6 +25,7 @@ import numpy as np
 from jax_drafter import checkpoint as ckpt
 from jax_drafter import config as config_lib
 from jax_drafter import data as data_lib
+from jax_drafter import draft_vocab
 from jax_drafter import inputs
 from jax_drafter import pipeline
 from jax_drafter import step as step_lib
@@ -133,8 +134,15 @@ class _Run:
     self.graphdef, state = step_lib.init_state(dcfg, t, optimizer)
     self.batches = data_lib.BatchIterator(self.ds.rows, B, seed=cfg.data.seed)
     self.mngr = ckpt.manager(out, keep=t.keep_checkpoints)
+    self.vocab = None           # the reduced draft vocabulary's ids (draft_vocab.py), if any
     if self.mngr.latest_step() is not None:
       state = self._resume(state)
+    if dcfg.draft_vocab_size is not None and self.vocab is None:
+      self.vocab = draft_vocab.choose(self.ds.rows, dcfg.vocab_size, dcfg.draft_vocab_size,
+                                      pad_doc_id=data_lib.PAD_DOC_ID)
+    if self.vocab is not None:
+      log.info("draft vocabulary: %d of %d tokens, %.2f%% of the training rows' supervised tokens",
+               len(self.vocab), dcfg.vocab_size, 100 * draft_vocab.coverage(self.vocab, self.ds.rows))
     if self.main:
       ckpt.save_json(os.path.join(out, "config.json"),
                      {"run_config": cfg.to_dict(), "drafter_config": dcfg.to_zlab()})
@@ -147,7 +155,8 @@ class _Run:
     self.keep = Handoff()
     frozen = import_frozen(self.target.embedding, self.target.lm_head, self.keep,
                            device=self.place.device)
-    self.frozen = step_lib.frozen_in_compute_dtype(self.place.replicate(frozen), t.compute_dtype)
+    self.frozen = draft_vocab.with_draft_vocab(
+        step_lib.frozen_in_compute_dtype(self.place.replicate(frozen), t.compute_dtype), self.vocab)
     self.step_fn = step_lib.jit_train_step(
         step_lib.make_train_step(self.graphdef, dcfg, t, optimizer, _attn_impl(t)),
         out_shardings=(shardings, self.place.replicated) if self.place.multi else None)
@@ -201,6 +210,8 @@ class _Run:
       raise TrainingError(f"{self.out}/checkpoints holds a drafter with a different architecture "
                           f"(fields {diff}); use another train.output_dir or the same config")
     state, meta = ckpt.restore(self.mngr, state)
+    # The vocabulary the drafter was trained with, even if the data would now choose another.
+    self.vocab = draft_vocab.from_meta(meta, saved, source=f"{self.mngr.directory}")
     self.batches.load_state_dict(meta["data"])
     log.info("resumed from %s at step %d", self.mngr.directory, int(state.step))
     return state
@@ -291,7 +302,7 @@ class _Run:
     self.best_score = rec["val_tau"]
     params = pipeline.this_process(self.state.params)
     if self.main:
-      write_zlab(path, self.dcfg, params)
+      write_zlab(path, self.dcfg, params, vocab=self.vocab)
       ckpt.save_json(os.path.join(path, "validation.json"), rec)
       log.info("step %d: best validation tau so far (%.3f): drafter exported to %s",
                rec["step"], rec["val_tau"], path)
@@ -306,7 +317,8 @@ class _Run:
   def save(self):
     s = ckpt.save(self.mngr, self.state, {
         "drafter_config": self.dcfg.to_zlab(), "run_config": self.cfg.to_dict(),
-        "data": self.data_state, "history_tail": self.history[-5:]})
+        "data": self.data_state, "history_tail": self.history[-5:]}
+        | ({} if self.vocab is None else {"draft_vocab": [int(i) for i in self.vocab]}))
     self.last_saved = s
     log.info("checkpoint step %d -> %s", s, self.mngr.directory)
 
@@ -485,5 +497,6 @@ def train(cfg: RunConfig, *, progress: Progress | None = None, first_step=None,
                      first=history[0] if history else None, checkpoint=run.last_saved,
                      drafter_config=run.dcfg, target=run.target, graphdef=run.graphdef,
                      params=pipeline.this_process(run.state.params), held_out=run.ds.held_out,
+                     draft_vocab=run.vocab,
                      interrupted=bool(intr.hit), data_stats=run.ds.stats, out_of_time=out_of_time)
   return run.summary

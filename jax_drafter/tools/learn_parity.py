@@ -103,7 +103,12 @@ def load(args):
     overrides.append("target.device=cpu")
   elif not load_config(args.config, overrides).target.device.startswith("cuda"):
     overrides.append("target.device=cuda")         # a configured cuda:N is kept
-  return load_config(args.config, overrides)
+  cfg = load_config(args.config, overrides)
+  if cfg.drafter.draft_vocab_size is not None:
+    from jax_drafter.config import ConfigError
+    raise ConfigError("the PyTorch reference drafter drafts from the whole vocabulary: compare with "
+                      "drafter.draft_vocab_size=null")
+  return cfg
 
 
 def torch_train_step(model, topt, t, micros, anchors, frozen, lr: float) -> dict:

@@ -34,6 +34,7 @@ import numpy as np
 from bridge.target import eos_token_ids
 
 from jax_drafter import data as data_lib
+from jax_drafter import draft_vocab
 from jax_drafter import objective
 from jax_drafter import step as step_lib
 from jax_drafter.config import (DrafterConfig, RunConfig, TrainSection, feature_layer_ids,
@@ -190,7 +191,14 @@ def run_gate(target, dcfg: DrafterConfig, train: TrainSection, prompt_ids: list[
            len(prompt_ids), len(answer_ids), S, cand, N, steps, t.learning_rate, time.time() - t0)
 
   keep = Handoff()  # the frozen weights and the row's features stay imported for the whole gate
-  frozen = import_frozen(target.embedding, target.lm_head, keep)
+  vocab = None
+  if dcfg.draft_vocab_size is not None:   # chosen from this row, as a run chooses from its rows
+    vocab = draft_vocab.choose(rows, dcfg.vocab_size, dcfg.draft_vocab_size,
+                               pad_doc_id=data_lib.PAD_DOC_ID)
+    log.info("draft vocabulary: %d tokens, %.1f%% of the answer's", len(vocab),
+             100 * draft_vocab.coverage(vocab, rows))
+  frozen = draft_vocab.with_draft_vocab(import_frozen(target.embedding, target.lm_head, keep),
+                                        vocab)
   batch = {k: jnp.asarray(v[None]) for k, v in rows.items()}  # [A=1, B=1, S]
   batch["features"] = keep.put(target.stacked_features([rows], feature_layer_ids(dcfg, t)),
                                name="target features")
@@ -267,7 +275,8 @@ def _misses(target, dcfg, graphdef, params, frozen, prompt_ids, answer_ids, acce
   h = Handoff()
   feats = h.put(target.features(rows["input_ids"], rows["position_ids"], rows["doc_id"],
                                 dcfg.target_layer_ids)[0], name="target features")
-  session = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"])
+  session = DrafterSession(dcfg, graphdef, params, frozen["embed"], frozen["lm_head"],
+                           draft_ids=frozen.get("draft_ids"))
   anchor_at = {int(a): n for n, a in enumerate(np.asarray(blocks.anchors)[0])}
   pred = np.asarray(pred).reshape(-1, K)
   decode = lambda i: target.tokenizer.decode([i]) if i is not None else None

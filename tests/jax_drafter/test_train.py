@@ -33,6 +33,35 @@ def test_cli_trains_checkpoints_and_exports(tiny_target_dir, sharegpt_sample, tm
   assert 1.0 <= evals[0]["eval_tau"] <= 4.0
 
 
+def test_a_reduced_draft_vocabulary_travels_with_the_drafter(tiny_target_dir, sharegpt_sample,
+                                                            tmp_path):
+  """Chosen once, kept in every checkpoint, kept on resume, exported, read by evaluate."""
+  from jax_drafter import draft_vocab, evaluate, export
+  from jax_drafter.checkpoint import load_params
+  out = str(tmp_path / "run")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "drafter.draft_vocab_size=40",
+                        "train.eval_prompts=2", "train.eval_max_new_tokens=6")
+  assert train_cli.main(_cli_args(cfg) + ["train.steps=4"]) == 0
+  dcfg, _, _, meta = load_params(out)
+  ids = draft_vocab.from_meta(meta, dcfg, source="test")
+  assert dcfg.draft_vocab_size == 40 and len(ids) == 40
+  assert train_cli.main(_cli_args(cfg)) == 0                 # resumed to step 6
+  dcfg6, _, _, meta6 = load_params(out)
+  assert meta6["data"] != meta["data"]
+  np.testing.assert_array_equal(draft_vocab.from_meta(meta6, dcfg6, source="test"), ids)
+  evals = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval_tau" in r]
+  assert evals and all(r["lossless"] is True for r in evals)
+  np.testing.assert_array_equal(draft_vocab.read(os.path.join(out, "export"), dcfg6), ids)
+  zdir = str(tmp_path / "zlab")
+  assert export.main(["--run-dir", out, "--out", zdir, "--dtype", "float32"]) == 0
+  np.testing.assert_array_equal(draft_vocab.read(zdir, dcfg6), ids)
+  for where in (["--run-dir", out], ["--run-dir", out, "--export"]):
+    assert evaluate.main(where + ["--num-prompts", "2", "--max-new-tokens", "6",
+                                  "--speed-prompts", "0"]) == 0
+  os.remove(os.path.join(out, "export", draft_vocab.FILE))
+  assert evaluate.main(["--run-dir", out, "--export", "--num-prompts", "2"]) == 2
+
+
 def test_bad_config_key_is_a_one_line_error(capsys):
   rc = train_cli.main(["--quiet", "train.stepz=3"])
   assert rc == 2

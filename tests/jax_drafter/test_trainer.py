@@ -301,11 +301,13 @@ def test_the_best_validation_drafter_is_exported_and_survives_a_resume(tiny_targ
   assert kept["val_tau"] == max(v["val_tau"] for v in allv)
 
 
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
 def test_validation_tau_is_what_speculative_decoding_of_the_validation_answers_measures(
-    tiny_target_dir, sharegpt_sample, tmp_path):
+    tiny_target_dir, sharegpt_sample, tmp_path, draft_vocab_size):
   """val_tau walks the accepted lengths of anchors at every answer position (teacher forcing);
   real greedy DFlash decoding of the same prompts, with the same drafter, must give the same tau
-  (same verify steps, same accepted lengths)."""
+  (same verify steps, same accepted lengths). Also with a reduced draft vocabulary: the run's,
+  read back from its checkpoint."""
   from jax_drafter import evaluate, objective
   M = 10
   out = str(tmp_path / "run")
@@ -313,7 +315,10 @@ def test_validation_tau_is_what_speculative_decoding_of_the_validation_answers_m
                         "data.regenerate_max_new_tokens=24", "data.validation=14",
                         "data.max_conversations=40", f"data.cache_dir={tmp_path / 'cache'}",
                         "train.steps=2", "train.val_every=2", "train.num_anchors=16",
-                        f"train.eval_max_new_tokens={M}", "train.learning_rate=1e-2")
+                        f"train.eval_max_new_tokens={M}",
+                        # a 48-row head learns the newline faster: a smaller step keeps misses
+                        f"train.learning_rate={1e-2 if draft_vocab_size is None else 1e-3}",
+                        f"drafter.draft_vocab_size={json.dumps(draft_vocab_size)}")
   summary = trainer.train(cfg)
   val = summary["validations"][-1]
   run = trainer._Run(cfg, trainer.Progress())     # resumes the final state
@@ -327,8 +332,14 @@ def test_validation_tau_is_what_speculative_decoding_of_the_validation_answers_m
       a = ra.anchors[r, i]                         # the answer's first token: the prompt ends before
       prompts.append([int(t) for t in rows["input_ids"][r, starts[r, a]:a]])
   assert val["val_responses"] == len(prompts) >= 3
+  if draft_vocab_size:
+    assert run.vocab is not None and len(run.vocab) == draft_vocab_size
+    # The tiny target answers mostly in its newline (198), another row of the draft head: drafted
+    # rows must be mapped back to ids on both sides for the taus to agree.
+    row = int(np.searchsorted(run.vocab, 198))
+    assert run.vocab[row] == 198 and row != 198
   report = evaluate.evaluate_tau(run.target, run.dcfg, run.graphdef, run.state.params, prompts,
-                                 max_new_tokens=M, progress=False)
+                                 max_new_tokens=M, progress=False, draft_vocab=run.vocab)
   assert report["lossless"]["passed"]
   # Neither all-rejected nor all-accepted: verify steps of different lengths on both sides.
   assert 1.05 < val["val_tau"] < cfg.drafter.block_size

@@ -5,6 +5,7 @@ memorised from the exact ids it drafts back at 16 of 16; memorised from its text
 (1116 -> 198 198) the gate fails and names the position where the labels part from the target.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -83,6 +84,17 @@ def test_reencoded_answer_fails_and_names_the_position(smol):
   text = overfit.format_report(report)
   assert "overfit gate FAIL" in text and "accuracy per block offset" in text
   assert f"at answer token {misses[0]['answer_position']}" in text
+
+
+def test_a_reduced_draft_vocabulary_memorises_and_drafts_back_too(smol):
+  """64 rows of SmolLM2's 49,152, chosen from the row (the answer's tokens first): training maps
+  labels to draft rows and decoding maps drafted rows back to ids; the gate says they agree."""
+  cfg, target, dcfg, prompt_ids, answer = smol
+  small = dataclasses.replace(dcfg, draft_vocab_size=64)
+  report = overfit.run_gate(target, small, cfg.train, prompt_ids, steps=STEPS,
+                            max_new_tokens=MAX_NEW_TOKENS, num_anchors=ANCHORS)
+  assert len(set(answer)) < 64 and max(answer) > 64      # every answer token fits, ids do not
+  assert report["passed"] and report["lossless"] is True and report["tau"] >= 15.0
 
 
 def test_default_prompt_is_the_first_usable_conversation(smol):
