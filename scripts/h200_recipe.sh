@@ -129,6 +129,9 @@ case "${1:-}" in
       mkdir -p "$D/cache"
       cat .gpu_c/regen.xz.part_* | xz -dc > "$D/cache/regenerated.jsonl" || exit 1
       echo "regenerated answers restored: $(wc -l < "$D/cache/regenerated.jsonl") conversations"
+      # They are here already: not compressed and sent back again (24 MB in a launch call's reply
+      # delayed the next call past the machine's 30 s; a run was lost so on 2026-12-04).
+      mkdir -p "$L" && touch "$L/regen.xz.sent"
     fi
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     # The rest of this call's time can serve other GPU checks (e.g. STAGE_CHECKS=kernel-tests).
@@ -176,7 +179,7 @@ case "${1:-}" in
     rc=$?; tail -n 3 "$L/regen.log"
     [ $rc -eq 0 ] || { echo "regenerate rc=$rc" > "$DONE"; exit 1; }
     # Compressed copy of the answers for later sessions, on 4 CPU cores beside the training.
-    [ -e "$L/regen.xz.part_aa" ] || (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" |
+    [ -e "$L/regen.xz.part_aa" ] || [ -e "$L/regen.xz.sent" ] || (nice -n 19 xz -T4 -6 -c "$D/cache/regenerated.jsonl" |
         split -b 15M - "$L/regen.xz.part_" && touch "$L/regen.xz.done") &
     # --max-minutes counts the training's start-up too; 10 s for the last checkpoint and export
     MIN=$(python3 -c "print(max(1.0, (${BUDGET_S:-1140} - ($(date +%s) - $P0) - 10) / 60))")
