@@ -5,7 +5,7 @@ shapes, no target: the median of --steps timed steps, then a JAX profiler trace 
 (perfetto JSON, no TensorBoard needed) summed by XLA op, largest first.
 
   PYTHONPATH=.:scripts python scripts/cpu_step_profile.py [--config configs/smollm2.yaml] [--steps 8] [--top 15]
-      [section.key=value ...]        e.g. train.compute_dtype=float32
+      [section.key=value ...]        e.g. train.compute_dtype=float32 drafter.draft_vocab_size=8192
 """
 
 import argparse
@@ -24,6 +24,7 @@ from bench_generation import smollm2_config   # scripts/ is on the path when run
 from bridge.target import info_from_config
 from jax_drafter import step as step_lib
 from jax_drafter.config import load_config, resolve_drafter
+from jax_drafter.draft_vocab import with_draft_vocab
 from jax_drafter.trainer import _attn_impl
 
 SMOLLM2 = info_from_config(smollm2_config(), vocab_size=49152, tokenizer_size=49152,
@@ -54,6 +55,8 @@ def main():
            "features": jnp.asarray(rng.standard_normal((1, B, S, F)).astype(np.float32))}
   head = jnp.asarray(rng.standard_normal((V, D)).astype(np.float32) * 0.02)
   frozen = step_lib.frozen_in_compute_dtype({"embed": head, "lm_head": head}, t.compute_dtype)
+  if d.draft_vocab_size:   # drafter.draft_vocab_size=N: the first N ids (a run ranks them by count)
+    frozen = with_draft_vocab(frozen, np.arange(d.draft_vocab_size, dtype=np.int32))
   state, m = fn(state, batch, frozen)
   jax.block_until_ready(m)
   times = []
