@@ -143,12 +143,11 @@ class DrafterSession:
       raise ValueError(f"block_size={self.block_size} must be in [2, {cfg.block_size}] "
                        f"(the drafter was trained with block_size={cfg.block_size})")
     self.params, self.embed, self.lm_head = params, embed_VxD, lm_head_VxD
-    self.draft_ids = None
-    draft_vocab.check(None if draft_ids is None else np.asarray(draft_ids), cfg,
-                      source="the drafter session")
-    if draft_ids is not None:   # the head's rows of the draft vocabulary, gathered once
-      self.draft_ids = jax.device_put(np.asarray(draft_ids, np.int32), lm_head_VxD.sharding)
-      self.lm_head = jnp.take(lm_head_VxD, self.draft_ids, axis=0)
+    ids = draft_vocab.check(None if draft_ids is None else np.asarray(draft_ids), cfg,
+                            source="the drafter session")
+    # The head's rows of the draft vocabulary, gathered once, as the train step reads them.
+    frozen = draft_vocab.with_draft_vocab({"lm_head": lm_head_VxD}, ids)
+    self.lm_head, self.draft_ids = frozen.get("draft_head", lm_head_VxD), frozen.get("draft_ids")
     self.temperature = float(temperature)
     self.prefill_chunk = max(int(prefill_chunk), self.block_size)
     model = nnx.merge(graphdef, params)
