@@ -32,6 +32,8 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 
 from bridge import spec_decode
@@ -296,7 +298,12 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
     devices = jax.tree.leaves(params)[0].devices()
     device = next(iter(devices)) if len(devices) == 1 else None
     if frozen is None:
-      frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
+      # Narrowed to the drafter's compute dtype as the training run narrows its own (a run's
+      # evaluations pass theirs), so both decode with the same head.
+      from jax_drafter.step import frozen_in_compute_dtype
+      cd = jnp.dtype(nnx.merge(graphdef, params).compute_dtype).name
+      frozen = frozen_in_compute_dtype(
+          import_frozen(target.embedding, target.lm_head, keep, device=device), cd)
     if draft_vocab is None:
       draft_vocab = frozen.get("draft_ids")
     session = DrafterSession(cfg, graphdef, params, frozen["embed"], frozen["lm_head"],
@@ -475,7 +482,8 @@ def format_report(r: dict) -> str:
   pooled = ("" if r.get("tau_pooled") is None
             else f"; {r['tau_pooled']:.3f} over all verify steps pooled")
   lines = [f"tau = {tau} (max {r['max_tau']}) over {r['num_prompts']} prompts, "
-           f"{r['verify_steps']} verify steps{pooled}",
+           f"{r['verify_steps']} verify steps{pooled}"
+           + (f"; the drafter computed in {r['compute_dtype']}" if r.get("compute_dtype") else ""),
            f"tokens per verify step (histogram): {hist}",
            f"tokens/s: speculative {fmt(tps['speculative'])}{on_timed}, target only "
            f"{fmt(tps['target_only'])}, speedup {fmt(tps['speedup'], '{:.2f}x')}{cached}"
@@ -524,6 +532,10 @@ def _parse(argv):
                       "same tokens with one launch per step (full-attention targets); dynamic = "
                       "transformers' DynamicCache, eager (any target); auto (default) = static on "
                       "a GPU where the target allows it, otherwise dynamic")
+  p.add_argument("--compute-dtype", choices=("run", "float32", "bfloat16"), default="run",
+                 help="the dtype the drafter computes in: run (default) = the training run's "
+                      "train.compute_dtype (what its own evaluations decoded with; float32 for a "
+                      "--drafter-dir), or float32 / bfloat16")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", help="write the report here")
   args = p.parse_args(argv)
@@ -565,6 +577,26 @@ def _exported_of_run(run_dir: str, which: str):
   return cfg, graphdef, params, draft_vocab.read(where, cfg), run_config
 
 
+def _compute_dtype(choice: str, run_config: dict) -> str:
+  """--compute-dtype -> "float32" or "bfloat16": "run" reads the run's train.compute_dtype (a
+  run recorded "auto" before it was resolved: resolved here, on this machine)."""
+  if choice != "run":
+    return choice
+  recorded = (run_config.get("train") or {}).get("compute_dtype", "float32")
+  if recorded == "auto":
+    from jax_drafter.config import resolve_compute_dtype, RunConfig, TrainSection
+    return resolve_compute_dtype(RunConfig(train=TrainSection(compute_dtype="auto"))).train.compute_dtype
+  return recorded
+
+
+def _in_compute_dtype(cfg: DrafterConfig, params, dtype: str):
+  """(graphdef, params) of the drafter computing in `dtype`; the weights stay float32 (as the
+  training state keeps them), so a bfloat16 run decodes here as its own evaluations did."""
+  from jax_drafter.params import from_flat, to_flat
+  from jax_drafter.step import DTYPE
+  return from_flat(cfg, to_flat(params), compute_dtype=DTYPE[dtype])
+
+
 def main(argv=None) -> int:
   jax.devices()  # initialise JAX's backend before torch touches CUDA (import alone does not)
   from jax_drafter.cli import setup_logging
@@ -584,6 +616,8 @@ def main(argv=None) -> int:
       cfg, graphdef, params = read_zlab(args.drafter_dir)
       vocab = draft_vocab.read(args.drafter_dir, cfg)
       run_config = {}
+    compute_dtype = _compute_dtype(args.compute_dtype, run_config)
+    graphdef, params = _in_compute_dtype(cfg, params, compute_dtype)
     tc = run_config.get("target") or {}
     path = args.target_path or tc.get("path")
     gguf = args.gguf_file if args.target_path else tc.get("gguf_file")
@@ -610,6 +644,7 @@ def main(argv=None) -> int:
                           temperature=args.temperature, seed=args.seed,
                           reference=args.reference, speed_prompts=args.speed_prompts,
                           decoder=args.decoder, draft_vocab=vocab)
+    report["compute_dtype"] = compute_dtype
   except (EvaluationError, ConfigError, TargetError, data_lib.DataError, FileNotFoundError,
           ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

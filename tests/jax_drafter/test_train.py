@@ -4,6 +4,7 @@ default."""
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 
 from jax_drafter import train as train_cli
@@ -138,3 +139,31 @@ def test_out_of_memory_while_regenerating_is_a_one_line_error(tiny_target_dir, s
   err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
   assert len(err) == 1 and "ran out of memory while regenerating" in err[0]
   assert "data.regenerate_batch_tokens" in err[0] and "Tried to allocate 3.38 GiB" in err[0]
+
+
+def test_evaluate_decodes_a_run_as_its_own_evaluation_did(tiny_target_dir, sharegpt_sample,
+                                                          tmp_path, monkeypatch):
+  """`jax_drafter.evaluate --run-dir` runs the drafter in the run's compute dtype with the head
+  narrowed as training narrows it (before, a bfloat16 run's checkpoint decoded in float32 with a
+  float32 head there), and reads the tau its end-of-run evaluation read."""
+  from jax_drafter import evaluate
+  seen = []
+
+  class Recording(evaluate.DrafterSession):
+    def __init__(self, *a, **k):
+      super().__init__(*a, **k)
+      seen.append((self._dtype, self.lm_head.dtype))
+
+  monkeypatch.setattr(evaluate, "DrafterSession", Recording)
+  out = str(tmp_path / "run")
+  cfg = tiny_run_config(tiny_target_dir, sharegpt_sample, out, "train.compute_dtype=bfloat16",
+                        "train.eval_prompts=3", "train.eval_max_new_tokens=24")
+  assert train_cli.main(_cli_args(cfg)) == 0
+  end = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval_tau" in r]
+  report = str(tmp_path / "eval.json")
+  assert evaluate.main(["--run-dir", out, "--num-prompts", "3", "--max-new-tokens", "24",
+                        "--speed-prompts", "0", "--json", report]) == 0
+  got = json.load(open(report))
+  assert got["compute_dtype"] == "bfloat16"
+  assert seen[-1] == (jnp.bfloat16, jnp.bfloat16)
+  assert got["tau"] == end[-1]["eval_tau"]
