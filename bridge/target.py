@@ -211,6 +211,47 @@ class Target:
     return torch.cat([captured[i] for i in layer_ids], dim=-1).contiguous()
 
 
+  def decoder_layer_arrays(self, layer_ids) -> dict[str, np.ndarray]:
+    """The weights of decoder layers `layer_ids` and of the final norm, as float32 numpy arrays
+    named as a drafter's z-lab checkpoint: target layer layer_ids[i] -> `layers.i.*` (attention
+    projections [out, in] as torch stores them, q_norm/k_norm where the target has them, MLP,
+    both norms), the final norm -> `norm.weight`. What train.init_from_target_layers copies."""
+    self.check_layer_ids(layer_ids)
+    parts = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+             "mlp": ("gate_proj", "up_proj", "down_proj")}
+    out: dict[str, np.ndarray] = {}
+
+    def take(name: str, module) -> None:
+      out[name] = module.weight.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+
+    for i, L in enumerate(layer_ids):
+      layer = self.layers[L]
+      for group, names in parts.items():
+        block = getattr(layer, group, None)
+        missing = [n for n in names if not hasattr(block, n)]
+        if block is None or missing:
+          raise TargetError(
+              f"{self.name}: decoder layer {L} has no {group}."
+              f"{missing[0] if block is not None else names[0]} ({type(layer).__name__}), so it "
+              "cannot start a drafter layer; train.init_from_target_layers takes full-attention "
+              "layers with q/k/v/o and gate/up/down projections (or leave it null)")
+        for n in names:
+          take(f"layers.{i}.{group}.{n}.weight", getattr(block, n))
+      for n in ("q_norm", "k_norm"):
+        if hasattr(layer.self_attn, n):
+          take(f"layers.{i}.self_attn.{n}.weight", getattr(layer.self_attn, n))
+      for n in ("input_layernorm", "post_attention_layernorm"):
+        if not hasattr(layer, n):
+          raise TargetError(f"{self.name}: decoder layer {L} has no {n}, so it cannot start a "
+                            "drafter layer (leave train.init_from_target_layers null)")
+        take(f"layers.{i}.{n}.weight", getattr(layer, n))
+    norm = getattr(self.model.model, "norm", None)
+    if norm is None:
+      raise TargetError(f"{self.name}: no `.model.norm` module to start the drafter's final norm "
+                        "from (leave train.init_from_target_layers null)")
+    take("norm.weight", norm)
+    return out
+
   def stacked_features(self, micros, layer_ids) -> torch.Tensor:
     """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H].
 

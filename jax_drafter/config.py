@@ -400,6 +400,12 @@ class TrainSection:
   devices: tuple[str, ...] | None = None  # drafter devices, data parallel ("cuda:2", "cuda:3");
                                           # None = every device JAX sees
   prefetch: int = 1                 # steps of target features made ahead of the drafter (0 = none)
+  # One target decoder layer per drafter layer: drafter layer i starts as a copy of target layer
+  # ids[i] (attention, MLP, both norms), the final norm as the target's, fc as the identity on the
+  # feature of the last target layer below ids[0]. Needs the drafter's sizes to be the target's
+  # (drafter.intermediate_size etc. null). null: random init (z-lab's). A resumed run keeps its
+  # checkpoint's weights.
+  init_from_target_layers: tuple[int, ...] | None = None
   shard_state: bool = False         # FSDP-style: parameters and optimizer state split over the
                                     # drafter devices instead of replicated (1/n memory each)
 
@@ -440,6 +446,12 @@ class RunConfig:
   train: TrainSection = field(default_factory=TrainSection)
 
   def __post_init__(self):
+    ids = self.train.init_from_target_layers
+    if ids is not None:
+      if len(ids) != self.drafter.num_hidden_layers or any(int(i) < 0 for i in ids):
+        raise ConfigError(f"train.init_from_target_layers={list(ids)}: give one target layer id "
+                          f"(>= 0) per drafter layer (drafter.num_hidden_layers="
+                          f"{self.drafter.num_hidden_layers}), or null")
     if self.drafter.draft_vocab_size is not None and self.train.kd_weight:
       raise ConfigError(f"train.kd_weight={self.train.kd_weight} with drafter.draft_vocab_size="
                         f"{self.drafter.draft_vocab_size}: distillation compares the target's whole "

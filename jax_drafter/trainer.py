@@ -29,6 +29,7 @@ from jax_drafter import draft_vocab
 from jax_drafter import inputs
 from jax_drafter import pipeline
 from jax_drafter import step as step_lib
+from jax_drafter import target_init
 from jax_drafter.config import DrafterConfig, RunConfig
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ class _Run:
     self.vocab = None           # the reduced draft vocabulary's ids (draft_vocab.py), if any
     if self.mngr.latest_step() is not None:
       state = self._resume(state)
+    elif t.init_from_target_layers is not None:
+      state = target_init.start(state, dcfg, t, self.target, optimizer)
+      ids = list(t.init_from_target_layers)
+      log.info("drafter layers start as copies of target layers %s (fc: the identity on layer "
+               "%d's feature)", ids,
+               dcfg.target_layer_ids[target_init.context_feature(dcfg.target_layer_ids, ids[0])])
     if dcfg.draft_vocab_size is not None and self.vocab is None:
       self.vocab = draft_vocab.choose(self.ds.rows, dcfg.vocab_size, dcfg.draft_vocab_size,
                                       pad_doc_id=data_lib.PAD_DOC_ID)

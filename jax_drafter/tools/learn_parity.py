@@ -153,7 +153,7 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
   from bridge.twin import reference_drafter as ref
   from bridge.handoff import Handoff, import_frozen
   from bridge.twin.weights import load_flat_into
-  from jax_drafter import inputs, step
+  from jax_drafter import inputs, step, target_init
   from jax_drafter.params import to_flat
 
   _T0[0] = time.time()
@@ -171,6 +171,7 @@ def run(cfg, *, device: str = "cpu", torch_attention: str = "auto", eval_prompts
   optimizer = step.make_optimizer(t)
   with jax.default_device(jdev):
     graphdef, state = step.init_state(dcfg, t, optimizer)
+    state = target_init.start(state, dcfg, t, target, optimizer)
     state = jax.device_put(state, jdev)
   model = ref.build_reference(dcfg, device=target.device, compute_dtype=tcd,
                               attention=torch_attention)

@@ -37,6 +37,7 @@ from jax_drafter import data as data_lib
 from jax_drafter import draft_vocab
 from jax_drafter import objective
 from jax_drafter import step as step_lib
+from jax_drafter import target_init
 from jax_drafter.config import (DrafterConfig, RunConfig, TrainSection, feature_layer_ids,
                                  resolve_drafter)
 
@@ -204,6 +205,7 @@ def run_gate(target, dcfg: DrafterConfig, train: TrainSection, prompt_ids: list[
                                name="target features")
   optimizer = step_lib.make_optimizer(t)
   graphdef, state = step_lib.init_state(dcfg, t, optimizer)
+  state = target_init.start(state, dcfg, t, target, optimizer)
   attn_impl = {"implementation": t.attention} if t.attention else {}
   step_fn = step_lib.jit_train_step(
       step_lib.make_train_step(graphdef, dcfg, t, optimizer, attn_impl))
