@@ -213,44 +213,11 @@ class Target:
 
   def decoder_layer_arrays(self, layer_ids) -> dict[str, np.ndarray]:
     """The weights of decoder layers `layer_ids` and of the final norm, as float32 numpy arrays
-    named as a drafter's z-lab checkpoint: target layer layer_ids[i] -> `layers.i.*` (attention
-    projections [out, in] as torch stores them, q_norm/k_norm where the target has them, MLP,
-    both norms), the final norm -> `norm.weight`. What train.init_from_target_layers copies."""
+    named as a drafter's z-lab checkpoint (see `layer_arrays`). What
+    train.init_from_target_layers copies."""
     self.check_layer_ids(layer_ids)
-    parts = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-             "mlp": ("gate_proj", "up_proj", "down_proj")}
-    out: dict[str, np.ndarray] = {}
-
-    def take(name: str, module) -> None:
-      out[name] = module.weight.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
-
-    for i, L in enumerate(layer_ids):
-      layer = self.layers[L]
-      for group, names in parts.items():
-        block = getattr(layer, group, None)
-        missing = [n for n in names if not hasattr(block, n)]
-        if block is None or missing:
-          raise TargetError(
-              f"{self.name}: decoder layer {L} has no {group}."
-              f"{missing[0] if block is not None else names[0]} ({type(layer).__name__}), so it "
-              "cannot start a drafter layer; train.init_from_target_layers takes full-attention "
-              "layers with q/k/v/o and gate/up/down projections (or leave it null)")
-        for n in names:
-          take(f"layers.{i}.{group}.{n}.weight", getattr(block, n))
-      for n in ("q_norm", "k_norm"):
-        if hasattr(layer.self_attn, n):
-          take(f"layers.{i}.self_attn.{n}.weight", getattr(layer.self_attn, n))
-      for n in ("input_layernorm", "post_attention_layernorm"):
-        if not hasattr(layer, n):
-          raise TargetError(f"{self.name}: decoder layer {L} has no {n}, so it cannot start a "
-                            "drafter layer (leave train.init_from_target_layers null)")
-        take(f"layers.{i}.{n}.weight", getattr(layer, n))
-    norm = getattr(self.model.model, "norm", None)
-    if norm is None:
-      raise TargetError(f"{self.name}: no `.model.norm` module to start the drafter's final norm "
-                        "from (leave train.init_from_target_layers null)")
-    take("norm.weight", norm)
-    return out
+    params = dict(self.model.model.named_parameters())
+    return layer_arrays(lambda path: params.get(path), layer_ids, self.name)
 
   def stacked_features(self, micros, layer_ids) -> torch.Tensor:
     """Features of A micro-batches (dicts of [B, S] arrays) as one contiguous [A, B, S, n*H].
@@ -268,6 +235,43 @@ class Target:
     """A fresh [rows, seq_len, n*H] buffer for features, on the target's device in its dtype."""
     return torch.empty(rows, seq_len, len(layer_ids) * self.info.hidden_size,
                        dtype=self.embedding.dtype, device=self.device)
+
+
+_LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                  "post_attention_layernorm")
+_LAYER_OPTIONAL = ("self_attn.q_norm", "self_attn.k_norm")   # Qwen3 has them, Llama does not
+
+
+def layer_arrays(get, layer_ids, name: str) -> dict[str, np.ndarray]:
+  """Decoder layers `layer_ids` and the final norm as float32 numpy arrays under a drafter's
+  z-lab names: target layer layer_ids[i] -> `layers.i.*` (projections [out, in] as torch stores
+  them), the final norm -> `norm.weight`. get(path) -> the torch tensor at `path` below the
+  decoder stack ("layers.3.mlp.up_proj.weight", "norm.weight") or None."""
+  out: dict[str, np.ndarray] = {}
+
+  def take(dst: str, src: str, required: bool = True) -> None:
+    t = get(src)
+    if t is None:
+      if required:
+        raise TargetError(
+            f"{name}: no {src} (decoder layer {src.split('.')[1]} has no "
+            f"{src.split('.', 2)[2].rsplit('.', 1)[0]}), so it cannot start a drafter layer; "
+            "train.init_from_target_layers takes full-attention layers with q/k/v/o and "
+            "gate/up/down projections and both norms (or leave it null)"
+            if src.startswith("layers.") else
+            f"{name}: no final norm ({src}) to start the drafter's from (leave "
+            "train.init_from_target_layers null)")
+      return
+    out[dst] = t.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+
+  for i, L in enumerate(layer_ids):
+    for w in _LAYER_WEIGHTS:
+      take(f"layers.{i}.{w}.weight", f"layers.{L}.{w}.weight")
+    for w in _LAYER_OPTIONAL:
+      take(f"layers.{i}.{w}.weight", f"layers.{L}.{w}.weight", required=False)
+  take("norm.weight", "norm.weight")
+  return out
 
 
 _ROW_KEYS = ("input_ids", "position_ids", "doc_id")

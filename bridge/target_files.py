@@ -18,10 +18,11 @@ import json
 import logging
 import os
 
+import numpy as np
 import torch
 
-from bridge.target import (Target, TargetError, _text_config, info_from_config, load_target,
-                           resolve_device)
+from bridge.target import (Target, TargetError, _text_config, info_from_config, layer_arrays,
+                           load_target, resolve_device)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class TargetFiles:
     self._load_kw = dict(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     self.device = resolve_device(device)
     self._model: Target | None = None
-    files = _tensor_files(path)
+    files = self._files = _tensor_files(path)
     embed, head = _pick(files, "embed_tokens.weight"), _pick(files, "lm_head.weight")
     if embed is None:
       raise TargetError(f"{path}: no tensor named *embed_tokens.weight in its safetensors files")
@@ -136,7 +137,7 @@ class TargetFiles:
     if head is None and not tied:
       raise TargetError(f"{path}: no lm_head.weight and the config does not tie the embeddings")
     self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
     def read(name):
       with safe_open(files[name], framework="pt") as f:
@@ -155,6 +156,20 @@ class TargetFiles:
              self.info.vocab_size, dtype)
 
   check_layer_ids = Target.check_layer_ids
+
+  def decoder_layer_arrays(self, layer_ids) -> dict[str, np.ndarray]:
+    """Target.decoder_layer_arrays read from the safetensors files (no model is built)."""
+    from safetensors import safe_open
+    self.check_layer_ids(layer_ids)
+
+    def get(path):
+      found = _pick(self._files, "." + path)
+      if found is None:
+        return None
+      with safe_open(self._files[found], framework="pt") as f:
+        return f.get_tensor(found).to(self._dtype)   # the values the loaded model holds
+
+    return layer_arrays(get, layer_ids, self.path)
 
   def load_model(self) -> Target:
     """The full target (evaluation decodes with it), loaded once on first use."""

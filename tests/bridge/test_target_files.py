@@ -74,3 +74,18 @@ def test_fingerprint_follows_the_files_not_their_place(tiny_target_dir, tmp_path
   (copy / "tokenizer_config.json").write_text(
       (copy / "tokenizer_config.json").read_text().replace('"model_max_length"', '"x"'))
   assert target_files.fingerprint(str(copy)) != fp                 # the tokenizer is part of it
+
+
+def test_decoder_layers_read_from_the_files_are_the_loaded_models(untied_sharded_dir):
+  """What train.init_from_target_layers copies, read from the sharded files without building
+  the model, equals what the loaded model holds (bf16 checkpoint, as float32 arrays)."""
+  files = target_files.TargetFiles(untied_sharded_dir, dtype="bfloat16", device="cpu")
+  target = load_target(untied_sharded_dir, dtype="bfloat16", device="cpu")
+  got, want = files.decoder_layer_arrays([1, 0]), target.decoder_layer_arrays([1, 0])
+  assert sorted(got) == sorted(want) and "layers.0.mlp.up_proj.weight" in got
+  for name in want:
+    assert (got[name] == want[name]).all(), name
+  assert (got["layers.0.self_attn.q_proj.weight"]
+          == target.model.model.layers[1].self_attn.q_proj.weight.float().numpy()).all()
+  with pytest.raises(TargetError, match="out of range"):
+    files.decoder_layer_arrays([2])
