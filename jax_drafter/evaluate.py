@@ -32,8 +32,6 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 import numpy as np
 
 from bridge import spec_decode
@@ -298,12 +296,7 @@ def evaluate_tau(target: Target, cfg: DrafterConfig, graphdef, params, prompts, 
     devices = jax.tree.leaves(params)[0].devices()
     device = next(iter(devices)) if len(devices) == 1 else None
     if frozen is None:
-      # Narrowed to the drafter's compute dtype as the training run narrows its own (a run's
-      # evaluations pass theirs), so both decode with the same head.
-      from jax_drafter.step import frozen_in_compute_dtype
-      cd = jnp.dtype(nnx.merge(graphdef, params).compute_dtype).name
-      frozen = frozen_in_compute_dtype(
-          import_frozen(target.embedding, target.lm_head, keep, device=device), cd)
+      frozen = import_frozen(target.embedding, target.lm_head, keep, device=device)
     if draft_vocab is None:
       draft_vocab = frozen.get("draft_ids")
     session = DrafterSession(cfg, graphdef, params, frozen["embed"], frozen["lm_head"],

@@ -28,6 +28,7 @@ from flax import nnx
 
 from jax_drafter import draft_vocab
 from jax_drafter.config import DrafterConfig
+from jax_drafter.step import frozen_in_compute_dtype
 
 
 class ContextCache(NamedTuple):
@@ -145,15 +146,19 @@ class DrafterSession:
     self.params, self.embed, self.lm_head = params, embed_VxD, lm_head_VxD
     ids = draft_vocab.check(None if draft_ids is None else np.asarray(draft_ids), cfg,
                             source="the drafter session")
-    # The head's rows of the draft vocabulary, gathered once, as the train step reads them.
-    frozen = draft_vocab.with_draft_vocab({"lm_head": lm_head_VxD}, ids)
-    self.lm_head, self.draft_ids = frozen.get("draft_head", lm_head_VxD), frozen.get("draft_ids")
     self.temperature = float(temperature)
     self.prefill_chunk = max(int(prefill_chunk), self.block_size)
     model = nnx.merge(graphdef, params)
     layer0 = model.layers[0].self_attn
     self._kv_shape = layer0.shape[1:]
     self._dtype = model.compute_dtype
+    # The head's rows of the draft vocabulary, gathered once as the train step reads them, and
+    # narrowed once to the compute dtype as training narrows it: every proposal multiplies by the
+    # head in that dtype, and casting a float32 [V, D] head there on each call cost more than the
+    # rest of a proposal on a CPU. A head given narrowed (the training run's) is kept as it is.
+    frozen = frozen_in_compute_dtype(
+        draft_vocab.with_draft_vocab({"lm_head": lm_head_VxD}, ids), jnp.dtype(self._dtype).name)
+    self.lm_head, self.draft_ids = frozen.get("draft_head", frozen["lm_head"]), frozen.get("draft_ids")
     # The inference block is one block over a short context: the dense-mask XLA path is cheap.
     impl = tuple(sorted((attn_impl or {"implementation": "xla"}).items()))
     self._extend, self._hidden, self._propose, self._extend_propose = _compiled(
