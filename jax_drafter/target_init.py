@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jax_drafter.config import ConfigError, DrafterConfig
-from jax_drafter.params import to_flat
+from jax_drafter.params import from_flat, to_flat
 
 
 def context_feature(target_layer_ids: Sequence[int], first_layer: int) -> int:
@@ -64,13 +62,7 @@ def from_target_layers(params: nnx.State, cfg: DrafterConfig, arrays: dict[str, 
   flat["fc.weight"] = fc
   flat["hidden_norm.weight"] = np.asarray(arrays["layers.0.input_layernorm.weight"], np.float32)
 
-  def fill(prefix, node):
-    return {k: fill(f"{prefix}{k}.", v) if isinstance(v, dict)
-            else jnp.asarray(flat[f"{prefix}{k}"], jnp.float32) for k, v in node.items()}
-
-  out = jax.tree.map(lambda x: x, params)    # a new State; the caller's keeps its arrays
-  nnx.replace_by_pure_dict(out, fill("", out.to_pure_dict()))
-  return out
+  return from_flat(cfg, flat, source="train.init_from_target_layers")[1]   # a new State
 
 
 def start(state, cfg: DrafterConfig, t, target, optimizer):

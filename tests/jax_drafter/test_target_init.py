@@ -5,6 +5,7 @@ drafter layer's context K/V are the K/V that the copied target layer makes of it
 feature of the layer below it), its MLP and norms are the target's, and the final norm is the
 target's. A wrong transpose of a square projection or a wrong name fails these."""
 
+import json
 import os
 
 import jax.numpy as jnp
@@ -159,7 +160,7 @@ def test_a_training_run_starts_from_the_copies(tiny_target_dir, sharegpt_sample,
                         "train.learning_rate=1e-9", "train.init_from_target_layers=[2, 3]",
                         "train.eval_prompts=0")
   args = ["--quiet", "--config", os.devnull] + [
-      f"{s}.{k}={v if isinstance(v, str) else __import__('json').dumps(v)}"
+      f"{s}.{k}={v if isinstance(v, str) else json.dumps(v)}"
       for s, sec in cfg.to_dict().items() for k, v in sec.items()]
   assert train_cli.main(args) == 0
   zdir = str(tmp_path / "z")
