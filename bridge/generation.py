@@ -133,6 +133,26 @@ def _folded_attention(model):
     model.set_attn_implementation(previous)
 
 
+@contextlib.contextmanager
+def _contiguous_head_input(model):
+  """The LM head's input made contiguous for the duration of a generation. transformers slices
+  the last position (`logits_to_keep=1`) out of [B, P, D] hidden states: a strided [B, 1, D] view
+  that torch's matmul cannot fold into one [B, D] x [D, V] product, so it multiplies by the head
+  expanded to [B, D, V], a copy of the whole head per row (a prefill of 64 rows on a CPU: 3.1 s
+  in bfloat16, 0.35 s in float32, against 0.015 / 0.046 s contiguous; B x 57 MB of copies on a
+  GPU in bfloat16). Decode steps' [B, 1, D] inputs are already contiguous."""
+  head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+  if not isinstance(head, torch.nn.Module):
+    yield
+    return
+  handle = head.register_forward_pre_hook(
+      lambda module, args: (args[0].contiguous(), *args[1:]) if args else None)
+  try:
+    yield
+  finally:
+    handle.remove()
+
+
 def capture_graph(fn, device, streams: tuple | None = None):
   """fn() run once eagerly on a side stream (its warm-up: the result of this call), then recorded
   as a CUDA graph. -> (the eager result, the graph, the graph's outputs, which each replay
@@ -352,7 +372,8 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
             temperature=temperature, cuda_graph=cuda_graph)
   if static:
     kw["compiled"] = compiled
-  with _folded_attention(model) if static else contextlib.nullcontext():
+  with (_folded_attention(model) if static else contextlib.nullcontext(),
+        _contiguous_head_input(model)):
     for idx, outs, part in _decode_in_threads(model, prompts, batches, concurrent if static else 1,
                                               generator, static, kw):
       _add_stats(stats, part)

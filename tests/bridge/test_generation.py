@@ -68,6 +68,23 @@ def test_greedy_equals_hf_generate_on_a_random_target(tiny, check_every, prefill
   assert tiny.config._attn_implementation == "sdpa"
 
 
+def test_the_lm_head_gets_contiguous_rows_during_generation(tiny):
+  # transformers hands the head a strided [B, 1, D] slice of the prefill's hidden states, which
+  # torch multiplies by a per-row copy of the whole head; generate_many makes it contiguous (same
+  # tokens) and takes its hook off afterwards.
+  prompts = _prompts([3, 17, 9])
+  seen = []
+  handle = tiny.lm_head.register_forward_hook(
+      lambda module, args, out: seen.append(args[0].is_contiguous()))
+  try:
+    many = dict(G.generate_many(tiny, prompts, max_new_tokens=4, stop_ids={99999}, pad_id=0))
+  finally:
+    handle.remove()
+  assert [many[i] for i in range(3)] == [_hf_greedy(tiny, p, 4, {99999}) for p in prompts]
+  assert len(seen) == 4 and all(seen)      # the prefill and 3 decode steps
+  assert not tiny.lm_head._forward_pre_hooks
+
+
 def test_folded_gqa_attention_equals_sdpa():
   torch.manual_seed(1)
   B, Hq, Hkv, q, M, D = 3, 6, 2, 1, 40, 16
