@@ -4,9 +4,11 @@ events on a target of SmolLM2-135M's shapes (random weights), then the kernels o
 one decode step from torch.profiler. Run on a GPU machine:
 
   python scripts/profile_generation.py --shapes 512x256,512x1024,384x1792 --json prof.json
+  python scripts/profile_generation.py --shapes 1024x1024 --strided-head   # the head as sliced
 """
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -44,18 +46,22 @@ def _kernels(fn, top):
 
 
 @torch.inference_mode()
-def profile_shape(model, B, P, new, top):
+def profile_shape(model, B, P, new, top, contiguous_head=True):
   g = torch.Generator().manual_seed(B * 7 + P)
   prompts = [torch.randint(3, 49152, (int(torch.randint(int(P * 0.8), P + 1, (1,), generator=g)),),
                            generator=g).tolist() for _ in range(B)]
   res = dict(rows=B, prompt=P, new=new)
   kw = G._cache_kw(model)
-  with G._folded_attention(model):
+  head = G._contiguous_head_input(model) if contiguous_head else contextlib.nullcontext()
+  with G._folded_attention(model), head:
     t0 = time.perf_counter()
     batch = G._Batch(model, prompts, max_new_tokens=new, pad_id=2, cache_kw=kw)
     torch.cuda.synchronize()
     res["setup_ms"] = 1e3 * (time.perf_counter() - t0)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     res["prefill_ms"], logits = _ms(batch.prefill)
+    res["prefill_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     tokens = logits.argmax(-1)
     t0 = time.perf_counter()
     batch.decode(tokens, 1, True)   # eager run + capture
@@ -104,13 +110,16 @@ def main():
   p.add_argument("--shapes", default="512x256,512x1024,384x1792", help="ROWSxPROMPT,...")
   p.add_argument("--new", type=int, default=192)
   p.add_argument("--top", type=int, default=10)
+  p.add_argument("--strided-head", action="store_true",
+                 help="leave the LM head's input as transformers slices it (what generation did "
+                      "before it made the head's rows contiguous), to measure the difference")
   p.add_argument("--json")
   a = p.parse_args()
   model = smollm2_shaped_model()
   out = []
   for s in a.shapes.split(","):
     B, P = map(int, s.split("x"))
-    r = profile_shape(model, B, P, a.new, a.top)
+    r = profile_shape(model, B, P, a.new, a.top, contiguous_head=not a.strided_head)
     out.append(r)
     brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
              if not k.endswith("kernels")}
