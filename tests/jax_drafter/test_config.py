@@ -1,11 +1,12 @@
-"""train.compute_dtype "auto": bfloat16 where the drafter's devices multiply it natively."""
+"""train.compute_dtype and target.dtype "auto": bfloat16 where the devices multiply it natively."""
 
 from pathlib import Path
 
 import pytest
 
 from jax_drafter import config as config_lib
-from jax_drafter.config import ConfigError, build_config, resolve_compute_dtype
+from jax_drafter.config import (ConfigError, build_config, resolve_compute_dtype,
+                                resolve_target_dtype)
 
 AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
 AVX512BF16 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
@@ -32,6 +33,32 @@ def test_auto_follows_the_named_drafter_device(monkeypatch):
   assert resolve_compute_dtype(cfg).train.compute_dtype == "bfloat16"
   cfg = build_config({"train": {"compute_dtype": "auto", "devices": ["cpu"]}})
   assert resolve_compute_dtype(cfg).train.compute_dtype == "float32"
+
+
+@pytest.mark.parametrize("target, native, want", [
+    ({"device": "cuda:1"}, False, "bfloat16"), ({"devices": ["cuda:0", "cuda:1"]}, False, "bfloat16"),
+    ({"device": "cpu"}, True, "bfloat16"), ({"device": "cpu"}, False, "float32")])
+def test_target_auto_follows_the_target_device(monkeypatch, target, native, want):
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: native)
+  cfg = build_config({"target": {"dtype": "auto", **target}})
+  assert resolve_target_dtype(cfg).target.dtype == want
+  # the drafter's compute dtype is its own setting
+  assert resolve_target_dtype(cfg).train == cfg.train
+
+
+def test_target_auto_on_an_auto_device_asks_torch(monkeypatch):
+  import torch
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+  assert config_lib.load_config(None, ["target.dtype=auto"]).target.dtype == "float32"
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+  assert config_lib.load_config(None, ["target.dtype=auto"]).target.dtype == "bfloat16"
+  with pytest.raises(ConfigError, match="target.dtype='float16'"):
+    config_lib.load_config(None, ["target.dtype=float16"])
+  # a caller's own meaning of "auto" (the overfit gate's float32); a named dtype is kept
+  load = lambda dt: config_lib.load_config(None, [f"target.dtype={dt}"],
+                                           auto_target_dtype="float32").target.dtype
+  assert load("auto") == "float32" and load("bfloat16") == "bfloat16"
 
 
 def test_explicit_dtypes_are_kept_and_auto_never_survives_loading(monkeypatch):

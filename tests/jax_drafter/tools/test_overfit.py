@@ -19,8 +19,8 @@ CONVERSATION = 10      # ShareGPT conversation whose answer holds token 1116 at 
 MAX_NEW_TOKENS = 48    # a multiple of the block size: a perfect drafter reaches tau 16
 STEPS = 80             # memorises with a margin at lr 1e-3 (the loss plateaus for ~40 steps first)
 ANCHORS = 8            # of 47 candidates per step: steps, not anchors, end the plateau
-OVERRIDES = ["target.device=cpu", "drafter.block_size=16", "train.learning_rate=1e-3",
-             "train.log_every=10"]
+OVERRIDES = ["target.device=cpu", "target.dtype=float32", "drafter.block_size=16",
+             "train.learning_rate=1e-3", "train.log_every=10"]
 
 
 @pytest.fixture(scope="module")
