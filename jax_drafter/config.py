@@ -564,8 +564,12 @@ def resolve_compute_dtype(cfg: RunConfig, platform: str | None = None) -> RunCon
   if platform is None:
     import jax
     platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
-  dtype = "bfloat16" if platform == "gpu" or cpu_has_native_bf16() else "float32"
-  return dataclasses.replace(cfg, train=dataclasses.replace(t, compute_dtype=dtype))
+  return dataclasses.replace(cfg, train=dataclasses.replace(t, compute_dtype=_auto_dtype(platform)))
+
+
+def _auto_dtype(platform: str) -> str:
+  """What "auto" means on a platform: bfloat16 on a GPU or a CPU that multiplies it natively."""
+  return "bfloat16" if platform == "gpu" or cpu_has_native_bf16() else "float32"
 
 
 def resolve_target_dtype(cfg: RunConfig, platform: str | None = None,
@@ -587,9 +591,8 @@ def resolve_target_dtype(cfg: RunConfig, platform: str | None = None,
       import torch
       platform = "gpu" if torch.cuda.is_available() else "cpu"
     else:
-      platform = "cpu" if device == "cpu" else "gpu"
-  dtype = "bfloat16" if platform == "gpu" or cpu_has_native_bf16() else "float32"
-  return dataclasses.replace(cfg, target=dataclasses.replace(tc, dtype=dtype))
+      platform = _device_key(device, "target.device")[0]
+  return dataclasses.replace(cfg, target=dataclasses.replace(tc, dtype=_auto_dtype(platform)))
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), *,

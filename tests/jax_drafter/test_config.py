@@ -37,7 +37,8 @@ def test_auto_follows_the_named_drafter_device(monkeypatch):
 
 @pytest.mark.parametrize("target, native, want", [
     ({"device": "cuda:1"}, False, "bfloat16"), ({"devices": ["cuda:0", "cuda:1"]}, False, "bfloat16"),
-    ({"device": "cpu"}, True, "bfloat16"), ({"device": "cpu"}, False, "float32")])
+    ({"device": "cpu"}, True, "bfloat16"), ({"device": "cpu"}, False, "float32"),
+    ({"device": "cuda"}, False, "bfloat16"), ({"devices": ["cpu:1"]}, False, "float32")])
 def test_target_auto_follows_the_target_device(monkeypatch, target, native, want):
   monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: native)
   cfg = build_config({"target": {"dtype": "auto", **target}})
