@@ -20,8 +20,10 @@ one position late (tau 2.8 of 16 in tests/jax_drafter/tools/test_overfit.py).
 The row is sized to the conversation (data.seq_len is not used); the drafter architecture and the
 optimiser come from the run config, the schedule (steps, warmup, anchors) from the gate. The target
 runs in float32 unless the config names its dtype (a target.dtype of "auto" becomes float32): in
-bfloat16, decoding's KV-cached features are not the training row's to the last bit, and a
-memorised drafter fails on that difference alone, which is not what the gate tests.
+bfloat16, decoding's KV-cached features differ from the training row's whole-row forward by ~1%
+(median, SmolLM2 layer 15), and a drafter that memorised one row's exact features fails on that
+difference alone (the default config: tau 1.1 of 16, every miss drafted right when replayed on the
+row's own features), which is not what the gate tests.
 """
 
 from __future__ import annotations
@@ -375,10 +377,7 @@ def main(argv=None) -> int:
   setup_logging()
   args = _parse(argv)
   try:
-    # A target.dtype of "auto" runs the gate in float32: with a bfloat16 target the features of
-    # a KV-cached decode differ from a whole-row forward's by ~1% (median, SmolLM2 layer 15), and
-    # a drafter that memorised one row's exact features drafts ~1 token a step on them (measured
-    # on the default config: tau 1.1 of 16, every draft right when replayed on the row's own).
+    # "auto" runs the gate's target in float32 (why: the module docstring)
     cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides, auto_target_dtype="float32")
     report = overfit(cfg, steps=args.steps, max_new_tokens=args.max_new_tokens,
                      conversation=args.conversation, prompt=args.prompt, min_tau=args.min_tau,

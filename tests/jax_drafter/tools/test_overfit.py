@@ -23,6 +23,23 @@ OVERRIDES = ["target.device=cpu", "target.dtype=float32", "drafter.block_size=16
              "train.learning_rate=1e-3", "train.log_every=10"]
 
 
+def test_the_gate_runs_an_auto_target_in_float32(monkeypatch, capsys):
+  # Even where "auto" means bfloat16 (native bf16 patched in): the gate resolves it to float32, and
+  # keeps a dtype the command names.
+  from jax_drafter import config as config_lib
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda cpuinfo=None: True)
+  seen = []
+
+  def stop(cfg, **kw):
+    seen.append(cfg.target.dtype)
+    raise overfit.GateError("stopped by the test")
+  monkeypatch.setattr(overfit, "overfit", stop)
+  for dtype in ("auto", "bfloat16"):
+    assert overfit.main([f"target.dtype={dtype}", "target.device=cpu"]) == 2
+  assert seen == ["float32", "bfloat16"]
+  assert "stopped by the test" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def smol():
   cfg = load_config(DEFAULT_CONFIG, OVERRIDES)
