@@ -1,5 +1,5 @@
-"""What every command line entry point sets up the same way: the log format, and the libraries
-whose INFO lines would bury the command's own output."""
+"""What every command line entry point sets up the same way: the log format, the libraries whose
+INFO lines would bury the command's own output, and glibc's malloc for PyTorch on a CPU."""
 
 import logging
 
@@ -12,3 +12,27 @@ def setup_logging(*, timestamps: bool = True) -> None:
                       datefmt="%H:%M:%S")
   for name in NOISY:
     logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_large_allocations() -> bool:
+  """Let glibc's malloc serve and keep allocations of up to 256 MiB from its heap instead of a
+  fresh mmap each time. PyTorch on a CPU allocates every activation anew; past glibc's dynamic
+  mmap threshold (32 MiB at most) each one is mapped, page-faulted in and unmapped again. On a
+  2-core AMD EPYC in bfloat16, a SmolLM2 prefill of 64 prompts of ~105 tokens took 5.7-5.9 s
+  with this against 6.4-6.9 s without, a 64-row decode step 105-109 ms against 117-120 (JAX's
+  train step: 150 ms either way). The process keeps up to 512 MiB of freed memory for reuse.
+  No-op (False) where the C library is not glibc."""
+  import ctypes
+  import sys
+  if not sys.platform.startswith("linux"):
+    return False
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+    mallopt = libc.mallopt
+  except (OSError, AttributeError):
+    return False
+  return bool(mallopt(_M_MMAP_THRESHOLD, 256 << 20) and mallopt(_M_TRIM_THRESHOLD, 512 << 20))

@@ -592,7 +592,8 @@ def _in_compute_dtype(cfg: DrafterConfig, params, dtype: str):
 
 def main(argv=None) -> int:
   jax.devices()  # initialise JAX's backend before torch touches CUDA (import alone does not)
-  from jax_drafter.cli import setup_logging
+  from jax_drafter.cli import keep_large_allocations, setup_logging
+  keep_large_allocations()
   setup_logging(timestamps=False)     # the report, not the libraries' INFO lines
   args = _parse(argv)
   try:

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  from jax_drafter.cli import setup_logging
+  from jax_drafter.cli import keep_large_allocations, setup_logging
+  keep_large_allocations()
   setup_logging()
   log = logging.getLogger("jax_drafter.regenerate")
 

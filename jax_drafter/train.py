@@ -70,7 +70,8 @@ def main(argv=None, *, first_step=None) -> int:
   """first_step: passed to trainer.train (a tool's measurement of the real step)."""
   started = time.time()   # --max-minutes counts from here
   args = _parser().parse_args(argv)
-  from jax_drafter.cli import setup_logging
+  from jax_drafter.cli import keep_large_allocations, setup_logging
+  keep_large_allocations()
   setup_logging()
   log = logging.getLogger("jax_drafter.train")
 

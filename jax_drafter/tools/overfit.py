@@ -373,7 +373,8 @@ def main(argv=None) -> int:
   # Before JAX initialises: never grab all GPU memory up front (the target shares the machine).
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   from jax_drafter.train import DEFAULT_CONFIG
-  from jax_drafter.cli import setup_logging
+  from jax_drafter.cli import keep_large_allocations, setup_logging
+  keep_large_allocations()
   setup_logging()
   args = _parse(argv)
   try:
