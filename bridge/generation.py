@@ -96,12 +96,10 @@ def plan_batches(lengths: Sequence[int], *, max_new_tokens: int, max_rows: int,
 
 
 def _fold_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                        is_causal=None, cpu_matmul: bool = False, **kwargs):
+                        is_causal=None, **kwargs):
   """transformers attention function: decode-step queries ([B, Hq, q, Dh], q small) of the G = Hq/Hkv
   heads sharing a KV head become G*q rows of one head, so K/V ([B, Hkv, M, Dh]) are read once and
-  never repeated. Prefill and unmasked calls go to transformers' sdpa function unchanged.
-  cpu_matmul: bfloat16/float16 decode steps on a CPU through `_matmul_attention` (faster, the
-  scores rounded to the dtype) instead of SDPA."""
+  never repeated. Prefill and unmasked calls go to transformers' sdpa function unchanged."""
   from transformers.integrations.sdpa_attention import sdpa_attention_forward
   B, Hq, q, Dh = query.shape
   Hkv = key.shape[1]
@@ -111,38 +109,14 @@ def _fold_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, 
   G = Hq // Hkv
   mask = attention_mask[:, :, :, :key.shape[2]]
   mask = mask.unsqueeze(2).expand(B, mask.shape[1], G, q, mask.shape[-1])
-  mask = mask.reshape(B, mask.shape[1], G * q, -1)
-  query = query.reshape(B, Hkv, G * q, Dh)
-  scale = Dh ** -0.5 if scaling is None else scaling
-  if cpu_matmul and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-    out = _matmul_attention(query, key, value, mask, scale)
-  else:
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                           scale=scale)
+  out = torch.nn.functional.scaled_dot_product_attention(
+      query.reshape(B, Hkv, G * q, Dh), key, value,
+      attn_mask=mask.reshape(B, mask.shape[1], G * q, -1), scale=scaling)
   return out.reshape(B, Hq, q, Dh).transpose(1, 2).contiguous(), None
 
 
-def _matmul_attention(query, key, value, mask, scale):
-  """Decode-step attention on a CPU in bfloat16/float16 as two batched matmuls around a float32
-  softmax: torch's CPU SDPA kernel spends ~8 us on each (row, KV head) problem of a few query
-  rows (2.1 ms a layer at 64 rows x 320 keys in bfloat16, 40% of a SmolLM2 decode step), the two
-  matmuls 0.65 ms. The scores leave the matmul rounded to the inputs' dtype (SDPA keeps them in
-  float32) and the probabilities are rounded before the second matmul: outputs differ from SDPA's
-  by ~1e-2 where SDPA's own rounding is ~4e-3 (tests/bridge/test_generation.py bounds both)."""
-  s = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scale)
-  if mask.dtype == torch.bool:
-    s = s.masked_fill_(~mask, float("-inf"))
-  else:
-    s = s.add_(mask)
-  return torch.matmul(torch.softmax(s, dim=-1).to(value.dtype), value)
-
-
-def _fold_gqa_attention_cpu_matmul(*args, **kwargs):
-  return _fold_gqa_attention(*args, cpu_matmul=True, **kwargs)
-
-
 @contextlib.contextmanager
-def _folded_attention(model, cpu_matmul: bool = False):
+def _folded_attention(model):
   """Switch the model to the folded attention for the duration of a generation, then back."""
   from transformers import AttentionInterface
   from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -150,11 +124,9 @@ def _folded_attention(model, cpu_matmul: bool = False):
   if previous != "sdpa":  # eager / flash / custom: leave the user's choice alone
     yield
     return
-  name = _ATTN_NAME + ("_mm" if cpu_matmul else "")
-  AttentionInterface.register(
-      name, _fold_gqa_attention_cpu_matmul if cpu_matmul else _fold_gqa_attention)
-  AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-  model.set_attn_implementation(name)
+  AttentionInterface.register(_ATTN_NAME, _fold_gqa_attention)
+  AttentionMaskInterface.register(_ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+  model.set_attn_implementation(_ATTN_NAME)
   try:
     yield
   finally:
@@ -374,8 +346,7 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
                   generator: torch.Generator | None = None, cuda_graph: bool | None = None,
                   stats: GenerationStats | None = None,
                   on_batch: Callable[[int, int], None] | None = None, concurrent: int = 1,
-                  compiled: bool = False,
-                  cpu_matmul_attention: bool = False) -> Iterator[tuple[int, list[int]]]:
+                  compiled: bool = False) -> Iterator[tuple[int, list[int]]]:
   """Yields (prompt index, new tokens) batch by batch (longest prompts first). Targets with
   sliding-window or linear-attention layers go through transformers' `generate` instead.
 
@@ -390,13 +361,7 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   compiled: the target's forward goes through torch.compile (dynamic shapes, compiled once per
   model and process, at its first batch): eager transformers runs hundreds of small elementwise
   kernels per step (f32 norms, RoPE, casts) that inductor fuses. The first batch pays the
-  compilation; the tokens are those of eager decoding up to floating-point rounding.
-
-  cpu_matmul_attention: a bfloat16/float16 target on a CPU attends in its decode steps by two
-  matmuls instead of torch's SDPA kernel (`_matmul_attention`: a SmolLM2 decode step of 64 rows
-  ~20% faster, the scores rounded to bfloat16). For the target's own data (regeneration,
-  synthetic prompts), whose bfloat16 answers leave float32's greedy ones anyway (66 of 101 differ
-  with SDPA, 67 with this); references that decoding is checked against keep SDPA."""
+  compilation; the tokens are those of eager decoding up to floating-point rounding."""
   if concurrent < 1:
     raise ValueError(f"{concurrent=} must be >= 1")
   stats = stats if stats is not None else GenerationStats()
@@ -411,7 +376,7 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
             temperature=temperature, cuda_graph=cuda_graph)
   if static:
     kw["compiled"] = compiled
-  with (_folded_attention(model, cpu_matmul_attention) if static else contextlib.nullcontext(),
+  with (_folded_attention(model) if static else contextlib.nullcontext(),
         _contiguous_head_input(model)):
     for idx, outs, part in _decode_in_threads(model, prompts, batches, concurrent if static else 1,
                                               generator, static, kw):

@@ -196,7 +196,7 @@ def regenerate_conversations(model, tokenizer, conversations: Sequence[dict], se
           model, [p[0] for p in prompts], max_new_tokens=settings.max_new_tokens, stop_ids=stop,
           pad_id=pad, max_rows=batch_rows, max_tokens=batch_tokens,
           temperature=settings.temperature, generator=gen, cuda_graph=cuda_graph, stats=gstats,
-          on_batch=on_batch, concurrent=concurrent, compiled=compiled, cpu_matmul_attention=True)
+          on_batch=on_batch, concurrent=concurrent, compiled=compiled)
       for k, new in results:
         c, (prompt_ids, segment_text) = waiting[k], prompts[k]
         left = len(c.turns) - 1

@@ -90,7 +90,7 @@ def synthesize(model, tokenizer, s: PromptSettings, *, fingerprint: str, cache_p
         for i, new in generation.generate_many(
             model, [prefix] * n, max_new_tokens=s.max_new_tokens, stop_ids=stop, pad_id=pad,
             max_rows=n, max_tokens=n * (len(prefix) + s.max_new_tokens),
-            temperature=s.temperature, generator=g, cpu_matmul_attention=True):
+            temperature=s.temperature, generator=g):
           made += len(new)
           if new and new[-1] in stop:   # a complete message; a cut one is dropped
             text = tokenizer.decode(new[:-1], skip_special_tokens=True).strip()

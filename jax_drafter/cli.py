@@ -23,8 +23,8 @@ def keep_large_allocations() -> bool:
   fresh mmap each time. PyTorch on a CPU allocates every activation anew; past glibc's dynamic
   mmap threshold (32 MiB at most) each one is mapped, page-faulted in and unmapped again. On a
   2-core AMD EPYC in bfloat16, a SmolLM2 prefill of 64 prompts of ~105 tokens took 5.7-5.9 s
-  with this against 6.4-6.9 s without, a 64-row decode step 105-109 ms against 117-120 (JAX's
-  train step: 150 ms either way). The process keeps up to 512 MiB of freed memory for reuse.
+  with this against 6.4-6.9 s without (64-row decode steps and JAX's train step: no measurable
+  change). The process keeps up to 512 MiB of freed memory for reuse.
   No-op (False) where the C library is not glibc."""
   import ctypes
   import sys
