@@ -268,6 +268,14 @@ def layer_arrays(get, layer_ids, name: str) -> dict[str, np.ndarray]:
   for i, L in enumerate(layer_ids):
     for w in _LAYER_WEIGHTS:
       take(f"layers.{i}.{w}.weight", f"layers.{L}.{w}.weight")
+    q, o = out[f"layers.{i}.self_attn.q_proj.weight"], out[f"layers.{i}.self_attn.o_proj.weight"]
+    if q.shape[0] == 2 * o.shape[1]:
+      # Qwen3.5 / Qwen3-Next full attention: q_proj makes the queries and a sigmoid output gate
+      raise TargetError(
+          f"{name}: decoder layer {L}'s attention has an output gate (its q_proj gives "
+          f"{q.shape[0]} rows, queries and gates, for o_proj's {o.shape[1]}), which the "
+          "drafter's attention lacks, so it cannot start a drafter layer; leave "
+          "train.init_from_target_layers null for this target")
     for w in _LAYER_OPTIONAL:
       take(f"layers.{i}.{w}.weight", f"layers.{L}.{w}.weight", required=False)
   take("norm.weight", "norm.weight")

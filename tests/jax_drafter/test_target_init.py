@@ -145,6 +145,20 @@ def test_a_layer_without_the_usual_projections_is_refused(tiny_target):
     layer.mlp = mlp
 
 
+def test_a_gated_attention_layer_is_refused_by_name(tiny_target):
+  """A Qwen3.5-style q_proj (queries and output gates, twice o_proj's input) is named as such,
+  not reported as a head-count mismatch."""
+  attn = tiny_target.model.model.layers[2].self_attn
+  q = attn.q_proj
+  attn.q_proj = torch.nn.Linear(q.in_features, 2 * q.out_features, bias=False)
+  try:
+    with pytest.raises(TargetError, match="decoder layer 2's attention has an output gate"):
+      tiny_target.decoder_layer_arrays([2])
+  finally:
+    attn.q_proj = q
+  tiny_target.decoder_layer_arrays([2])
+
+
 def test_the_config_wants_one_layer_per_drafter_layer():
   with pytest.raises(ConfigError, match="one target layer id"):
     load_config(None, ["drafter.num_hidden_layers=2", "train.init_from_target_layers=[3]"])
