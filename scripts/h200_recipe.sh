@@ -52,6 +52,10 @@ T0=$(date +%s)
 export PYTHONPATH=/tmp/site:$D/src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false HF_HUB_OFFLINE=1
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 RUN=$D/runs/${ARM:-recipe}
+# A launch with other EXTRA overrides on a machine still warm from an earlier one trains a run of
+# its own (the trainer refuses a run directory holding another architecture); the same EXTRA again
+# resumes its run from the last checkpoint.
+[ -n "${ARM:-}" ] || [ -z "${EXTRA:-}" ] || RUN=$RUN-$(printf %s "$EXTRA" | sha256sum | cut -c1-8)
 DONE=${DONE_FILE:-$D/DONE}
 COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf_file=$GGUF"
         "data.path=$D/sharegpt_user_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
