@@ -4,6 +4,8 @@ several batch sizes, one or several batches decoded at once (eager with --eager,
 through torch.compile with --compile); the peak of torch's allocated and reserved memory per run.
 Run on a GPU machine:
   python scripts/bench_generation.py --rows 512,1024 --prompt-len 1024 --new 192 --concurrent 1,2 --compile
+or on a CPU (eager, bf16; no CUDA graph, no memory figures):
+  python scripts/bench_generation.py --device cpu --rows 64,128,256 --prompt-len 128 --new 64
 """
 
 import argparse
@@ -49,18 +51,24 @@ def main():
   p.add_argument("--compile", action="store_true",
                  help="also time the target's forward through torch.compile (compiled=True); its "
                       "compilation happens in the warm-up, timed apart (warm_up_s)")
+  p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
   p.add_argument("--json")
   a = p.parse_args()
-  model = smollm2_shaped_model()
+  cuda = a.device == "cuda"
+  if not cuda:
+    from jax_drafter.cli import keep_large_allocations
+    keep_large_allocations()   # as every entry point does (CPU activations stay on the heap)
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+  model = smollm2_shaped_model(a.device)
   rows_out = []
   for rows in [int(r) for r in a.rows.split(",")]:
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(3, 49152, (int(torch.randint(a.prompt_len // 2, a.prompt_len + 1, (1,),
                                                           generator=g)),), generator=g).tolist()
                for _ in range(rows)]
-    runs = [(True, int(c), False) for c in a.concurrent.split(",")]
-    runs += [(True, int(c), True) for c in a.concurrent.split(",")] if a.compile else []
-    runs += [(False, 1, False)] if a.eager else []
+    runs = [(cuda, int(c), False) for c in a.concurrent.split(",")]   # a CPU decodes eagerly
+    runs += [(cuda, int(c), True) for c in a.concurrent.split(",")] if a.compile else []
+    runs += [(False, 1, False)] if a.eager and cuda else []
     for graph, conc, comp in runs:
       kw = dict(max_new_tokens=a.new, stop_ids={2}, pad_id=2, max_rows=rows, cuda_graph=graph,
                 max_tokens=rows * (a.prompt_len + a.new),   # batches of exactly `rows` rows
@@ -68,22 +76,23 @@ def main():
       # Warm-up with 8 new tokens (compiles the forward when compiled), timed apart.
       t0 = time.perf_counter()
       list(G.generate_many(model, prompts[:8], **dict(kw, max_new_tokens=8)))
-      torch.cuda.synchronize()
+      sync()
       warm_s = time.perf_counter() - t0
-      torch.cuda.empty_cache()
-      torch.cuda.reset_peak_memory_stats()
+      if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
       st = G.GenerationStats()
       t0 = time.perf_counter()
       # `concurrent` batches of `rows` rows at once: the same prompts repeated per worker
       list(G.generate_many(model, prompts * conc, stats=st, concurrent=conc, **kw))
-      torch.cuda.synchronize()
+      sync()
       dt = time.perf_counter() - t0
       r = dict(rows=rows, concurrent=conc, cuda_graph=graph, compiled=comp, warm_up_s=warm_s,
                captured=st.cuda_graph,
                tokens=st.tokens, seconds=dt, tokens_per_s=st.tokens / dt,
                ms_per_step=1e3 * dt * conc / max(st.decode_steps, 1),
-               peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-               peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+               peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
       rows_out.append(r)
       print(json.dumps(r), flush=True)
   if a.json:
