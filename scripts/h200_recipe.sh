@@ -20,6 +20,8 @@
 #            (then STAGE_CHECKS="part ..." of scripts/h200_checks.sh, if set); again with carry
 #            .gpu_c to restore earlier regenerated answers
 #   launch   carry .gpu_b: joins the GGUF, starts the pipeline, watches it until the call ends
+#            (refused while an earlier launch's pipeline runs; that launch's logs and drafter
+#            parts move to logs/earlier-*; each EXTRA trains in a run directory of its own)
 #   watch    watches the pipeline until it is done or the call ends (repeat until "pipeline done")
 #   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl, .gpu_u/.gpu_e and .gpu_d: only the
 #            held-out evaluation, of a drafter whose machine was lost after training
@@ -148,6 +150,16 @@ case "${1:-}" in
     mkdir -p "$D/smollm2" "$D/cache"
     cat "$D/gguf.part0" "$D/gguf.mid" .gpu_b/gguf.part1 > "$D/smollm2/$GGUF"
     sha256sum "$D/smollm2/$GGUF" | cut -c1-16   # b179c9523d0e6a0f
+    if pgrep -f "$D/src/scripts/[h]200_recipe.sh" > /dev/null; then
+      echo "a pipeline of an earlier launch is still running: 'watch' it, or stop it first"; exit 3
+    fi
+    # An earlier launch's logs and drafter parts (their "sent" marks too) move aside, so this
+    # launch's drafter comes back and 'watch' reports this launch; the answers' parts stay.
+    if [ -f "$L/run" ]; then
+      old=$L/earlier-$(date +%s) && mkdir -p "$old"
+      mv $(cd "$L" && ls -d pipeline.log regen.log regen.json train.log eval.log eval.json \
+          metrics.jsonl run drafter-* 2>/dev/null | sed "s|^|$L/|") "$old/"
+    fi
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
     cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
     mode=pipeline; [ -z "${ARMS:-}" ] || mode=arms; [ "$1" = launch ] || mode=eval-restored
