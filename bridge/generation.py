@@ -14,6 +14,7 @@ Plain transformers, no custom model code: the target's own forward runs over a `
     stay bounded whatever the batch's rows x prompt length;
   - on CUDA, the decode step captured once as a CUDA graph per batch shape (python and launch
     overhead dominate a 135M-parameter model's step), falling back to eager if capture fails;
+  - a batch that runs out of device memory decoded again in halves (later ones planned smaller);
   - batches decoded by a worker thread while the caller consumes the results; with
     `concurrent=N`, N batches at once by N worker threads, each on its own
     CUDA streams: one batch's prefill, graph capture and host syncs overlap the others' decode
@@ -27,6 +28,7 @@ token with transformers' `generate` in float32.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import queue
 import sys
@@ -360,6 +362,11 @@ def generate_many(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   batch order from `generator`, so they do not depend on the workers' timing (but differ from
   concurrent=1's single stream of draws).
 
+  A batch that runs out of device memory (the planned budget meeting a fragmented or shared GPU)
+  is decoded again as two halves, down to one prompt, and every later batch of the call stays
+  under half the failed batch's cache positions; a warning says so. Greedy tokens are unchanged
+  (up to the rounding of other batch shapes in bf16); a single prompt that does not fit raises.
+
   compiled: the target's forward goes through torch.compile (dynamic shapes, compiled once per
   model and process, at its first batch): eager transformers runs hundreds of small elementwise
   kernels per step (f32 norms, RoPE, casts) that inductor fuses. The first batch pays the
@@ -415,6 +422,42 @@ def _decode_in_threads(model, prompts, batches, n, generator, static, kw):
   done: queue.Queue = queue.Queue()
   stop = threading.Event()
 
+  # Cache positions (rows x (prompt + new tokens)) a batch may hold: unbounded until a batch runs
+  # out of device memory, then half of that batch's, for the rest of the call (batch shapes vary,
+  # so the budget the caller planned with can still meet a fragmented or shared GPU).
+  limit = [None]
+  width = lambda idx: len(idx) * (max(len(prompts[i]) for i in idx) + kw["max_new_tokens"])
+
+  def decode_fitting(idx, gen, extra):
+    """Decode batch idx and hand its results to the caller; a batch of several rows over the
+    limit, or that runs out of device memory, is decoded as two halves in turn."""
+    if len(idx) > 1 and limit[0] is not None and width(idx) > limit[0]:
+      h = len(idx) // 2
+      decode_fitting(idx[:h], gen, extra)
+      decode_fitting(idx[h:], gen, extra)
+      return
+    part = GenerationStats()
+    try:
+      outs = run(model, [prompts[i] for i in idx], generator=gen, stats=part, **kw, **extra)
+    except torch.OutOfMemoryError as e:
+      if len(idx) == 1:
+        raise
+      first = str(e).splitlines()[0] if str(e) else "out of memory"
+    else:
+      done.put((idx, outs, part, None))
+      return
+    # The failed batch's cache is unreachable once the exception is gone: return it to the
+    # device before the halves allocate theirs (not while another worker captures a graph).
+    gc.collect()
+    if cuda:
+      with _CAPTURE_LOCK:
+        torch.cuda.empty_cache()
+    limit[0] = min(limit[0] or width(idx), width(idx) // 2)
+    log.warning("a batch of %d prompts (%d cache positions) ran out of device memory (%s): "
+                "decoding it in halves; later batches stay under %d positions (a smaller "
+                "max_tokens avoids the retries)", len(idx), width(idx), first[:160], limit[0])
+    decode_fitting(idx, gen, extra)
+
   def work(own):
     try:
       if cuda:
@@ -426,11 +469,8 @@ def _decode_in_threads(model, prompts, batches, n, generator, static, kw):
           except queue.Empty:
             break
           gen = generator if seeds is None else torch.Generator(device=dev).manual_seed(seeds[b])
-          part = GenerationStats()
           extra = {"streams": own[1:]} if own else {}
-          outs = run(model, [prompts[i] for i in batches[b]], generator=gen, stats=part,
-                     **kw, **extra)
-          done.put((batches[b], outs, part, None))
+          decode_fitting(batches[b], gen, extra)
     except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
       stop.set()
       done.put((None, None, None, e))

@@ -123,7 +123,9 @@ def _synthetic_prompts(d, target, regenerated_path: str, fingerprint: str, *, ca
 
 def _out_of_memory_named(fn, d):
   """fn, whose device running out of memory becomes a RegenerationError naming the two settings
-  that size the decoding batches (the conversations finished before it stay in the cache)."""
+  that size the decoding batches (the conversations finished before it stay in the cache).
+  Decoding halves a batch that does not fit by itself (bridge.generation.generate_many): what
+  reaches here did not fit even as one conversation."""
   from bridge.regenerate import RegenerationError
 
   def wrapped(convs):
@@ -134,10 +136,11 @@ def _out_of_memory_named(fn, d):
         raise
       first = str(e).splitlines()[0] if str(e) else type(e).__name__
       raise RegenerationError(
-          f"the target's device ran out of memory while regenerating ({first}). Each batch holds "
-          f"a K/V cache of up to data.regenerate_batch_tokens={d.regenerate_batch_tokens} "
-          f"positions, and data.regenerate_concurrent_batches={d.regenerate_concurrent_batches} "
-          "batches run at once: lower either. The finished conversations are saved; rerun to "
+          f"the target's device ran out of memory while regenerating ({first}), even with the "
+          "batch split down to one conversation. Free the device (other processes), or lower "
+          f"data.regenerate_concurrent_batches={d.regenerate_concurrent_batches} (batches decoded "
+          f"at once) or data.regenerate_batch_tokens={d.regenerate_batch_tokens} (K/V cache "
+          "positions a batch may hold). The finished conversations are saved; rerun to "
           "resume.") from e
   return wrapped
 

@@ -167,6 +167,38 @@ def test_a_failing_worker_stops_the_others_and_raises_in_the_caller(tiny, monkey
   assert not any(t.name.startswith("decode-") for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("concurrent", [1, 2])
+def test_a_batch_out_of_device_memory_is_decoded_in_halves(tiny, monkeypatch, caplog, concurrent):
+  """A batch that runs out of device memory is decoded again as two halves, and later batches
+  are split before they start (at most one failure per worker): the same tokens as batches that
+  fit, every prompt reported once. A single prompt that does not fit still raises."""
+  real, calls = G.generate_batch, []
+
+  def small_device(model, prompts, **kw):
+    calls.append(len(prompts))
+    if len(prompts) > 2:
+      raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.19 GiB")
+    return real(model, prompts, **kw)
+
+  prompts = _prompts([5] * 12, seed=3)
+  kw = dict(max_new_tokens=4, stop_ids={99999}, pad_id=0, max_rows=4)
+  fits = dict(G.generate_many(tiny, prompts, **dict(kw, max_rows=2)))
+  monkeypatch.setattr(G, "generate_batch", small_device)
+  stats, reported = G.GenerationStats(), []
+  with caplog.at_level("WARNING", logger=G.__name__):
+    got = list(G.generate_many(tiny, prompts, stats=stats, concurrent=concurrent,
+                               on_batch=lambda rows, toks: reported.append(rows), **kw))
+  assert dict(got) == fits and sorted(i for i, _ in got) == list(range(12))
+  assert 1 <= calls.count(4) <= concurrent and set(calls) == {4, 2}
+  assert sorted(reported) == [2] * 6 and stats.batches == 6 and stats.prompts == 12
+  assert "ran out of device memory" in caplog.text and "halves" in caplog.text
+
+  monkeypatch.setattr(G, "generate_batch", lambda *a, **k: (_ for _ in ()).throw(
+      torch.OutOfMemoryError("CUDA out of memory")))
+  with pytest.raises(torch.OutOfMemoryError):
+    list(G.generate_many(tiny, prompts[:2], **dict(kw, max_rows=1)))
+
+
 def test_decoding_runs_beside_the_caller_and_stops_with_it(tiny, monkeypatch):
   """Batches are decoded in a worker thread (in plan order for one worker) while the caller
   consumes; a caller that stops early stops the worker after its current batch, and the model's

@@ -76,3 +76,24 @@ def test_compiled_target_with_cuda_graphs_equals_compiled_eager_bf16():
   kw.pop("compiled")
   assert dict(G.generate_many(f32, prompts, compiled=True, **kw)) == dict(
       G.generate_many(f32, prompts, **kw))
+
+
+def test_a_batch_larger_than_the_device_is_decoded_in_halves(caplog):
+  """The caching allocator capped at ~160 MiB above the model: one planned batch of 256 prompts
+  (110 MiB of f32 K/V cache plus its prefill temporaries) runs out of memory and is decoded in
+  halves (with CUDA graphs), giving the tokens of batches of 16 that fit."""
+  model, prompts = _model(torch.float32), _prompts(256, seed=4)
+  prompts = [(p * 8)[:200] for p in prompts]             # 200 tokens each
+  kw = dict(max_new_tokens=16, stop_ids={7}, pad_id=0)
+  fits = dict(G.generate_many(model, prompts, max_rows=16, **kw))
+  torch.cuda.empty_cache()
+  total = torch.cuda.get_device_properties(0).total_memory
+  torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (160 << 20)) / total)
+  try:
+    stats = G.GenerationStats()
+    with caplog.at_level("WARNING", logger=G.__name__):
+      got = dict(G.generate_many(model, prompts, max_rows=256, stats=stats, **kw))
+  finally:
+    torch.cuda.set_per_process_memory_fraction(1.0)
+  assert "ran out of device memory" in caplog.text and stats.batches > 1
+  assert got == fits
