@@ -26,12 +26,12 @@
 #   evaluate carry .gpu_b, after "stage" calls that carried .gpu_a/.whl, .gpu_u/.gpu_e and .gpu_d: only the
 #            held-out evaluation, of a drafter whose machine was lost after training
 # Each call copies the logs, metrics and results written so far to $OUT.
-# The logs, metrics and results come back as logs.tar.gz; once regeneration is done and compressed
-# (a minute or two into training), the regenerated answers too (regen.xz.part_*, ~17 MB for every
-# turn, ~37 MB with two sampled first answers): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before
+# The logs, metrics and results come back as logs.tar.gz; with the call that sees the pipeline
+# done, the regenerated answers too (regen.xz.part_*, ~25 MB for the recipe's first answers and
+# prompts, ~37 MB with two sampled first answers): keep them in .gpu_c, and a later session's extra "stage" call carrying .gpu_c (before
 # "launch"; .gpu_b + .gpu_c exceed one call's 64 MiB) restores them, so its regeneration finds
-# every conversation cached. When training ends, the drafter (its export/ and config.json, xz
-# parts drafter-ARM.xz.part_*, ~65 MB) comes back the same way: kept in .gpu_d, a later chain
+# every conversation cached. The trained drafter (its export/ and config.json, xz parts
+# drafter-ARM.xz.part_*, ~65 MB) comes back the same way: kept in .gpu_d, a later chain
 # stage (.gpu_a .whl) -> stage (.gpu_u .gpu_e) -> stage (.gpu_d) -> evaluate (.gpu_b) measures it
 # (`jax_drafter.evaluate --run-dir R --export`). Each set of parts comes back once.
 # Environment: EXTRA (config overrides for regeneration and training), BUDGET_S (seconds from the
@@ -75,11 +75,14 @@ collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back
   run=$(cat "$L/run" 2>/dev/null) && [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$L/metrics.jsonl"
   (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d pipeline.log regen.log regen.json train.log eval.log \
       eval.json metrics.jsonl arm-* 2>/dev/null))
-  # Once each, as soon as compressed: the regenerated answers (regen.xz.part_*, which a later
-  # session restores with a "stage" call carrying them in .gpu_c) and each trained drafter
-  # (drafter-ARM.xz.part_*: its export/ and config.json, restored from .gpu_d so that "evaluate"
-  # can measure a drafter whose machine was lost). Sent once: every file costs transfer time
-  # before the next call, and the machine is released 30 s after a call.
+  # Once each, by the call that sees the pipeline done: the regenerated answers (regen.xz.part_*,
+  # which a later session restores with a "stage" call carrying them in .gpu_c) and each trained
+  # drafter (drafter-ARM.xz.part_*: its export/ and config.json, restored from .gpu_d so that
+  # "evaluate" can measure a drafter whose machine was lost). Not earlier: a reply carrying them
+  # takes long enough to reach the caller that the next call missed the machine's 30 s (2026-12-04
+  # with the answers in a launch call's reply; again 2026-12-05, on an H100, with 25 MB: the
+  # training lost at step 2,000). The last call has no next call to miss.
+  [ -f "$D/DONE" ] || return 0
   for set in regen $(cd "$L" && ls drafter-*.xz.done 2>/dev/null | sed 's/\.xz\.done$//'); do
     [ -f "$L/$set.xz.done" ] && [ ! -f "$L/$set.xz.sent" ] || continue
     n=$(ls "$L/$set".xz.part_* | wc -l)
