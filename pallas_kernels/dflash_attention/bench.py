@@ -156,7 +156,49 @@ TUNE_VARIANTS = {
     "dkv64s2": dataclasses.replace(_B, dkv_stages=2),
     "dkv128x64": dataclasses.replace(_B, dkv_rows=128, dkv_keys=64),
     "dkv64x64w4": dataclasses.replace(_B, dkv_keys=64, dkv_warps=4),
+    "fwds4": dataclasses.replace(_B, fwd_stages=4),
+    "fwd128x32": dataclasses.replace(_B, fwd_keys=32),
+    "dqs4": dataclasses.replace(_B, dq_stages=4),
+    "dq128x16": dataclasses.replace(_B, dq_keys=16),
+    "dkvs4": dataclasses.replace(_B, dkv_stages=4),
 }
+
+
+def kernel_parts(xs, idx, *, window, flops_fwd, reps, cfg=None, interpret=False):
+  """Median ms of each Pallas kernel alone (forward, dQ + block dK/dV, context dK/dV) on the
+  forward's saved outputs and a random cotangent: where the fwd+bwd time goes. -> {name: ms}."""
+  T = dflash_triton
+  anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
+  q, kc, vc, kb, vb = xs
+  D = q.shape[-1]
+  cfg = cfg or config_lib.default_config(head_dim=D, interpret=interpret)
+  st = T._Static(block_size=BLOCK, window=window, scale=float(D ** -0.5), interpret=interpret,
+                 backward=None, config=cfg)
+  plan = T._plan(st, q.shape, kc.shape)
+  lo, hi = T._row_bounds(anchors, doc_start, valid, plan=plan, window=window)
+  _, out_p, lse = jax.jit(lambda *x: T._forward(*x[:5], *x[5:], st))(*xs, anchors, doc_start,
+                                                                      valid)
+  do5 = T._as_groups(jax.random.normal(jax.random.PRNGKey(1), out_p.shape, q.dtype), plan.G)
+  q5 = T._as_groups(T._pad_blocks(q, plan), plan.G)
+  kb, vb = T._pad_blocks(kb, plan), T._pad_blocks(vb, plan)
+  kc, vc = T._pad_keys(kc, plan), T._pad_keys(vc, plan)
+  delta = jnp.ones(lse.shape, jnp.float32)   # the kernels' cost does not depend on its values
+  r_dq, _ = T._q_tile_ranges(lo, hi, tq=plan.dq_q, tk=plan.dq_k)
+  q_r, any_row = T._q_tile_ranges(lo, hi, tq=plan.dkv_q, tk=plan.dkv_k)
+  r_dkv = T._k_tile_ranges(q_r, any_row, nkt=plan.Sp // plan.dkv_k)
+  # Every array is an argument (closed-over arrays would become constants of the executable).
+  dq = lambda q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, r: T._dq_call(
+      q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, r, st=st, plan=plan)
+  dkv = lambda q5, kc, vc, do5, lse, delta, lo, hi, r: T._dkv_call(
+      q5, kc, vc, do5, lse, delta, lo, hi, r, st=st, plan=plan)
+  parts = {
+      "fwd": (jax.jit(lambda *x: T._forward(*x[:5], *x[5:], st)[0]),
+              (*xs, anchors, doc_start, valid)),
+      "dq": (jax.jit(dq), (q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, r_dq)),
+      "dkv": (jax.jit(dkv), (q5, kc, vc, do5, lse, delta, lo, hi, r_dkv)),
+  }
+  return {name: median_seconds(lambda f=f, a=a: f(*a), reps=reps) * 1e3
+          for name, (f, a) in parts.items()}
 
 
 def main(argv=None, torch_rows=None):
@@ -174,6 +216,8 @@ def main(argv=None, torch_rows=None):
   p.add_argument("--tune", default="",
                  help="comma list of TUNE_VARIANTS (first shape and layer only)")
   p.add_argument("--config", default="default", help="default or a TUNE_VARIANTS name")
+  p.add_argument("--parts", action="store_true",
+                 help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
   p.add_argument("--budget-s", type=float, default=1e9,
                  help="skip the remaining baselines once this much wall time has passed")
@@ -208,6 +252,11 @@ def main(argv=None, torch_rows=None):
         emit(bench_jax("triton", f"tune:{name}", xs, idx, cfg=TUNE_VARIANTS[name],
                        interpret=args.interpret, **common))
       emit(bench_jax("triton", "pallas", xs, idx, cfg=cfg, interpret=args.interpret, **common))
+      if args.parts:
+        ms = kernel_parts(xs, idx, window=window, flops_fwd=flops, reps=args.reps, cfg=cfg,
+                          interpret=args.interpret)
+        print("#   kernels alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
+              flush=True)
   if args.no_baselines or args.interpret:
     return
   # Phase 2: baselines, cheapest first; an allocation failure or the budget costs only the rest.
