@@ -12,6 +12,9 @@ for one call); "ideal" is inputs + outputs (+ gradients). Alternatives in the sa
   xla    the dense-mask reference under XLA (materialises [Q, S] scores; only where it fits),
   cudnn  jax.nn.dot_product_attention(implementation="cudnn"), dense causal self-attention over
          T = N*16 tokens with the same heads (a ceiling: the best fused attention on this GPU),
+  mgpu   (--mgpu) JAX's Mosaic GPU flash attention for Hopper on dense non-causal attention of
+         the same sizes (no mask: its backward has none yet): the ceiling of a Mosaic GPU kernel
+         with the same forward / dQ / dK-dV structure,
   flex   torch flex_attention compiled on the identical mask (bridge.twin.torch_attention), block mask
          built once outside the timed region; "flex+mask" is the bridge's whole call. These rows
          come from bridge.twin.bench_attention, which runs this benchmark with them: the kernel
@@ -124,6 +127,27 @@ def bench_cudnn(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = H
   return bench_jax_fn(attn, (q, k, v), flops, Row("cudnn-causal", f"T={T}", f"{S}x{N}"), reps)
 
 
+def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HEAD_DIM):
+  """JAX's own Mosaic GPU (Hopper: wgmma, TMA) flash attention, jax.experimental.pallas.ops.gpu.
+  attention_mgpu, on dense non-causal attention of the N*16 block queries over all S keys with
+  the same heads: what the Mosaic GPU route of the issue reaches with the same forward, dQ and
+  dK/dV kernel structure (its backward has no causal mask yet, so no mask at all here)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+  T = N * BLOCK
+  (hq, hkv), d = heads, head_dim
+  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  # float16: its backward writes float16 whatever the inputs (bf16 failed in jax 0.11.2: "src
+  # had type bfloat16 and dst had type float16"); the tensor cores run both at one rate.
+  q = jax.random.normal(keys[0], (1, T, hq, d), jnp.float16)
+  k = jax.random.normal(keys[1], (1, S, hkv, d), jnp.float16)
+  v = jax.random.normal(keys[2], (1, S, hkv, d), jnp.float16)
+  cfg = mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, block_q_dkv=64,
+                          block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+  attn = lambda q, k, v: mgpu.attention(q, k, v, cfg)
+  return bench_jax_fn(attn, (q, k, v), 4 * d * hq * T * S,
+                      Row("mgpu-dense", "nomask", f"{S}x{N}"), reps)
+
+
 def bench_jax_fn(attn, xs, flops_fwd, row, reps):
   fwd, step = _fwd_and_step(attn)
   ct = jax.random.normal(jax.random.PRNGKey(1), xs[0].shape, xs[0].dtype)
@@ -216,6 +240,9 @@ def main(argv=None, torch_rows=None):
   p.add_argument("--tune", default="",
                  help="comma list of TUNE_VARIANTS (first shape and layer only)")
   p.add_argument("--config", default="default", help="default or a TUNE_VARIANTS name")
+  p.add_argument("--mgpu", action="store_true",
+                 help="also JAX's Mosaic GPU flash attention (Hopper) on dense attention of the "
+                      "same sizes: the ceiling of the Mosaic GPU route")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -264,6 +291,11 @@ def main(argv=None, torch_rows=None):
   for S, N in dict.fromkeys((S, N) for S, N, *_ in problems):
     if not over():
       emit(bench_cudnn(S, N, args.reps, **shape_kw))
+    if args.mgpu and not over():
+      try:
+        emit(bench_mgpu(S, N, args.reps, **shape_kw))
+      except Exception as e:  # noqa: BLE001 (an import or API change is a result too)
+        emit(Row("mgpu-dense", "nomask", f"{S}x{N}", note=f"{type(e).__name__}: {e}"[:100]))
   for S, N, layer, xs, idx, common in problems:
     if torch_rows is not None and not args.no_torch and not over():
       try:
