@@ -114,13 +114,19 @@ def bench_jax(impl: str, name: str, xs, idx, *, window, flops_fwd, shape, reps, 
                                                 shape), reps)
 
 
+def _random_qkv(seed: int, queries: int, keys: int, heads, head_dim: int, dtype):
+  """One row of random q [1, queries, Hq, D] and k, v [1, keys, Hkv, D]."""
+  (hq, hkv), d = heads, head_dim
+  kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return (jax.random.normal(kq, (1, queries, hq, d), dtype),
+          jax.random.normal(kk, (1, keys, hkv, d), dtype),
+          jax.random.normal(kv, (1, keys, hkv, d), dtype))
+
+
 def bench_cudnn(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HEAD_DIM):
   T = N * BLOCK
-  (hq, hkv), d = heads, head_dim
-  keys = jax.random.split(jax.random.PRNGKey(2), 4)
-  q = jax.random.normal(keys[0], (1, T, hq, d), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, T, hkv, d), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, T, hkv, d), jnp.bfloat16)
+  hq, d = heads[0], head_dim
+  q, k, v = _random_qkv(2, T, T, heads, head_dim, jnp.bfloat16)
   attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                       implementation="cudnn")
   flops = 4 * d * hq * T * (T + 1) / 2
@@ -134,13 +140,10 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
   dK/dV kernel structure (its backward has no causal mask yet, so no mask at all here)."""
   from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
   T = N * BLOCK
-  (hq, hkv), d = heads, head_dim
-  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  hq, d = heads[0], head_dim
   # float16: its backward writes float16 whatever the inputs (bf16 failed in jax 0.11.2: "src
   # had type bfloat16 and dst had type float16"); the tensor cores run both at one rate.
-  q = jax.random.normal(keys[0], (1, T, hq, d), jnp.float16)
-  k = jax.random.normal(keys[1], (1, S, hkv, d), jnp.float16)
-  v = jax.random.normal(keys[2], (1, S, hkv, d), jnp.float16)
+  q, k, v = _random_qkv(3, T, S, heads, head_dim, jnp.float16)
   cfg = mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, block_q_dkv=64,
                           block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
   attn = lambda q, k, v: mgpu.attention(q, k, v, cfg)
