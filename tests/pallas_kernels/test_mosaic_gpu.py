@@ -1,0 +1,73 @@
+"""The Mosaic GPU forward prototype (pallas_kernels/dflash_attention/mosaic_gpu.py).
+
+On a CPU: it lowers for CUDA (Mosaic GPU's layout inference and TMA shape checks run there) and
+refuses the shapes it does not take. On a GPU (pytest -m gpu): its out and base-2 lse equal the
+Triton forward's and the reference's on the suite's cases that fit it (blocks of 16, bf16)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.dflash_attention import mosaic_gpu as mg
+from pallas_kernels.dflash_attention import reference
+from pallas_kernels.dflash_attention import triton as dflash_triton
+from tests.pallas_kernels.test_dflash_attention import Case, _assert_close, _has_gpu, make_inputs
+
+
+def _args(block_size, head_dim, Hq, Hkv, N=8, S=300, dtype=jnp.bfloat16):
+  sd = jax.ShapeDtypeStruct
+  Q = N * block_size
+  return (sd((1, Q, Hq, head_dim), dtype), sd((1, S, Hkv, head_dim), dtype),
+          sd((1, S, Hkv, head_dim), dtype), sd((1, Q, Hkv, head_dim), dtype),
+          sd((1, Q, Hkv, head_dim), dtype), sd((1, N), jnp.int32), sd((1, N), jnp.int32),
+          sd((1, N), jnp.bool_))
+
+
+@pytest.mark.parametrize("head_dim,window,Hq,Hkv", [
+    (128, 2048, 32, 8), (64, None, 8, 2), (128, None, 4, 2), (64, 1, 4, 4)])
+def test_forward_lowers_for_cuda(head_dim, window, Hq, Hkv):
+  fwd = lambda *x: mg.dflash_forward_mosaic(*x, block_size=16, window=window)
+  text = jax.jit(fwd).trace(*_args(16, head_dim, Hq, Hkv)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered program"
+
+
+@pytest.mark.parametrize("block_size,head_dim,Hq,Hkv,dtype", [
+    (16, 128, 16, 2, jnp.bfloat16),    # G = 8: a 64-row tile would hold half a block
+    (16, 80, 4, 2, jnp.bfloat16),      # head size not a multiple of 64
+    (16, 64, 4, 2, jnp.float32)])
+def test_shapes_it_does_not_take_are_refused(block_size, head_dim, Hq, Hkv, dtype):
+  x = [jnp.zeros(a.shape, a.dtype) for a in _args(block_size, head_dim, Hq, Hkv, dtype=dtype)]
+  with pytest.raises(NotImplementedError):
+    mg.dflash_forward_mosaic(*x, block_size=block_size)
+
+
+GPU_CASES = [
+    Case(window=256, hq=8, hkv=2, head_dim=128, dtype="bfloat16", batch=2, blocks=64,
+         seq_len=1500, docs=5, invalid_row=True),
+    Case(hq=8, hkv=2, head_dim=128, dtype="bfloat16", blocks=64, seq_len=1500, docs=2),
+    Case(window=1, hq=4, hkv=2, head_dim=64, dtype="bfloat16", blocks=24, seq_len=300,
+         anchors="edges"),
+    Case(window=24, hq=4, hkv=4, head_dim=64, dtype="bfloat16", blocks=12, seq_len=200,
+         anchors="edges", docs=4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_forward_matches_the_reference_and_the_triton_forward(case):
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=5)
+  kw = dict(block_size=case.block_size, window=case.window)
+  out, lse = jax.jit(lambda *x: mg.dflash_forward_mosaic(*x, *idx, **kw))(q, kc, vc, kb, vb)
+  ref = reference.dflash_attention_reference(*(x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)),
+                                             *idx, **kw)
+  _assert_close(out, ref, atol=3e-2, rtol=3e-2, what="out")
+  st = dflash_triton._Static(block_size=case.block_size, window=case.window,
+                             scale=float(case.head_dim ** -0.5), interpret=False, backward=None,
+                             config=dflash_triton.config_lib.default_config(head_dim=case.head_dim))
+  _, _, tri_lse = jax.jit(lambda *x: dflash_triton._forward(*x, *idx, st))(q, kc, vc, kb, vb)
+  real = np.asarray(tri_lse) < 1e29
+  np.testing.assert_allclose(np.asarray(lse)[real], np.asarray(tri_lse)[real], atol=2e-2, rtol=1e-3)
+  assert np.all(np.asarray(lse)[~real] > 1e29)
