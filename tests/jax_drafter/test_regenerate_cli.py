@@ -102,9 +102,10 @@ def test_sampled_answers_need_a_temperature():
 
 def test_out_of_memory_names_the_settings_and_keeps_the_finished_conversations(
     tiny_target_dir, sharegpt_sample, tmp_path, monkeypatch, capsys):
-  """The device running out of memory mid-regeneration (seen on an H200 with two concurrent
-  batches): one message naming the two settings to lower, exit 1, and the batches finished before
-  it stay in the cache, so a rerun generates only the rest."""
+  """The device running out of memory mid-regeneration for good (from the second batch on, even
+  one conversation at a time; a batch that fits once halved is decoded so, tests/bridge/
+  test_generation.py): one message naming the two settings to lower, exit 2, and the batches
+  finished before it stay in the cache, so a rerun generates only the rest."""
   import torch
 
   from bridge import generation
@@ -114,13 +115,13 @@ def test_out_of_memory_names_the_settings_and_keeps_the_finished_conversations(
             "data.regenerate_batch_rows=2", "--quiet", "--out", str(tmp_path / "r.jsonl")]
   real, calls = generation.generate_batch, []
 
-  def fail_on_the_second_batch(*args, **kwargs):
+  def fail_from_the_second_batch(*args, **kwargs):
     calls.append(1)
-    if len(calls) == 2:
+    if len(calls) >= 2:
       raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.38 GiB.")
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(generation, "generate_batch", fail_on_the_second_batch)
+  monkeypatch.setattr(generation, "generate_batch", fail_from_the_second_batch)
   assert regen_cli.main(common) == 2
   errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "ran out of memory" in errors[0]
