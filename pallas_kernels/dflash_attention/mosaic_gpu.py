@@ -147,6 +147,8 @@ def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block
   st = tri._Static(block_size=block_size, window=window, scale=scale, interpret=False,
                    backward=None, config=cfg)
   plan = tri._plan(st, q.shape, kc.shape)
+  if plan.Sp % tk:
+    raise NotImplementedError(f"{kc.shape[1]} context keys: fewer than one tile of {tk}")
   lo, hi = tri._row_bounds(anchors.astype(jnp.int32), doc_start.astype(jnp.int32),
                            valid.astype(jnp.bool_), plan=plan, window=window)
   ranges, _ = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
