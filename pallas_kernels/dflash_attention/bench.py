@@ -12,7 +12,7 @@ for one call); "ideal" is inputs + outputs (+ gradients). Alternatives in the sa
   xla    the dense-mask reference under XLA (materialises [Q, S] scores; only where it fits),
   cudnn  jax.nn.dot_product_attention(implementation="cudnn"), dense causal self-attention over
          T = N*16 tokens with the same heads (a ceiling: the best fused attention on this GPU),
-  mosaic (--mosaic) our Mosaic GPU forward prototype (mosaic_gpu.py), forward only,
+  mosaic (--mosaic) our Mosaic GPU forward prototype with the Triton backward (mosaic_gpu.py),
   mgpu   (--mgpu) JAX's Mosaic GPU flash attention for Hopper on dense non-causal attention of
          the same sizes (no mask: its backward has none yet): the ceiling of a Mosaic GPU kernel
          with the same forward / dQ / dK-dV structure,
@@ -152,23 +152,23 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
                       Row("mgpu-dense", "nomask", f"{S}x{N}"), reps)
 
 
-def bench_mosaic_forward(xs, idx, *, window, flops_fwd, shape, reps):
-  """The Mosaic GPU forward prototype (mosaic_gpu.py) alone: forward time only (it has no
-  backward of its own yet), checked against the Triton forward's output first."""
+def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps):
+  """The Mosaic GPU forward prototype with the Triton backward (mosaic_gpu.py), after checking its
+  output against the Triton kernel's."""
   from pallas_kernels.dflash_attention import mosaic_gpu
-  row = Row("mosaic-fwd", "full" if window is None else f"w{window}", shape)
   anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
-  fwd = jax.jit(lambda *x: mosaic_gpu.dflash_forward_mosaic(
-      *x, anchors, doc_start, valid, block_size=BLOCK, window=window)[0])
-  tri = jax.jit(lambda *x: dflash_triton.dflash_attention_triton(
-      *x, anchors, doc_start, valid, block_size=BLOCK, window=window))
+  kw = dict(block_size=BLOCK, window=window)
+  attn = lambda *x: mosaic_gpu.dflash_attention_mosaic(*x, anchors, doc_start, valid, **kw)
+  tri = lambda *x: dflash_triton.dflash_attention_triton(*x, anchors, doc_start, valid, **kw)
+  row = Row("mosaic-fwd", "full" if window is None else f"w{window}", shape)
   try:
-    err = float(jnp.max(jnp.abs(fwd(*xs).astype(jnp.float32) - tri(*xs).astype(jnp.float32))))
-    t = median_seconds(lambda: fwd(*xs), reps=reps)
-    row.fwd_ms, row.fwd_tflops = t * 1e3, flops_fwd / t / 1e12
-    row.note = f"max |out - triton out| {err:.3g}"
+    got, want = jax.jit(attn)(*xs), jax.jit(tri)(*xs)
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
   except Exception as e:  # noqa: BLE001 (a prototype's failure is a result)
     row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return row
+  row = bench_jax_fn(attn, xs, flops_fwd, row, reps)
+  row.note = (row.note + " " if row.note else "") + f"max |out - triton out| {err:.3g}"
   return row
 
 
@@ -268,7 +268,7 @@ def main(argv=None, torch_rows=None):
                  help="also JAX's Mosaic GPU flash attention (Hopper) on dense attention of the "
                       "same sizes: the ceiling of the Mosaic GPU route")
   p.add_argument("--mosaic", action="store_true",
-                 help="also the Mosaic GPU forward prototype (Hopper), forward only")
+                 help="also the Mosaic GPU forward prototype (Hopper) with the Triton backward")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -306,8 +306,8 @@ def main(argv=None, torch_rows=None):
                        interpret=args.interpret, **common))
       emit(bench_jax("triton", "pallas", xs, idx, cfg=cfg, interpret=args.interpret, **common))
       if args.mosaic:
-        emit(bench_mosaic_forward(xs, idx, window=window, flops_fwd=flops, shape=shape,
-                                  reps=args.reps))
+        emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
+                          reps=args.reps))
       if args.parts:
         ms = kernel_parts(xs, idx, window=window, flops_fwd=flops, reps=args.reps, cfg=cfg,
                           interpret=args.interpret)

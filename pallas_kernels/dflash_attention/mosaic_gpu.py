@@ -7,6 +7,9 @@ query tile of R = 64 rows (TQ = 64 // G query tokens x the G query heads of one 
 blocks): the M of one wgmma. Context K/V tiles stream through `plgpu.emit_pipeline` over the
 tile's own (dynamic) key-tile range, every tile masked by the rows' ranges.
 
+dflash_attention_mosaic puts it under a custom VJP whose backward is the Triton dQ and dK/dV
+kernels (triton._dflash_bwd), fed the forward's padded output and lse.
+
 Status (2026-12-05): a forward only, written on a CPU machine. It lowers for CUDA (the tests
 export it for 'cuda' on a CPU, which runs Mosaic GPU's layout inference and TMA checks), but it
 has not run on a GPU yet, so nothing selects it: tests/pallas_kernels/test_mosaic_gpu.py's GPU
@@ -28,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.dflash_attention import triton as tri
 
 ROWS = 64          # query rows of a tile: one warpgroup's wgmma M
+KEYS = 64          # context keys of a tile
 
 
 def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_g, *, tq, tk,
@@ -125,12 +129,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   )
 
 
-def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block_size: int,
-                          window: int | None = None, scale: float | None = None,
-                          keys_per_tile: int = 64, interpret=None):
-  """-> (out [B, N*K, Hq, D], lse base 2 [B, Hkv, Qp * G]) as the Triton forward's. Shapes as
-  api.dflash_attention's; bf16 or f16, G = Hq // Hkv dividing 64 into whole padded blocks,
-  head size a multiple of 64. interpret: a Mosaic GPU interpreter's parameters (CPU tests)."""
+def _check(q, kc, block_size):
   B, _, Hq, D = q.shape
   Hkv = kc.shape[2]
   G = Hq // Hkv
@@ -140,19 +139,23 @@ def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block
                               "must hold whole blocks of every query head of a KV head")
   if D % 64 or q.dtype not in (jnp.bfloat16, jnp.float16):
     raise NotImplementedError(f"head size {D} ({q.dtype}): needs a multiple of 64, bf16/f16")
-  tq, tk = ROWS // G, keys_per_tile
-  scale = float(D ** -0.5 if scale is None else scale)
-  cfg = tri.config_lib.DFlashConfig(fwd_rows=ROWS, fwd_keys=tk, dq_rows=ROWS, dq_keys=tk,
-                                    dkv_rows=ROWS, dkv_keys=tk)
-  st = tri._Static(block_size=block_size, window=window, scale=scale, interpret=False,
-                   backward=None, config=cfg)
+
+
+def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
+  """-> (out, out_p padded [B, Qp, Hq, D], lse) in the layouts of triton._forward for the same
+  st (its config's plan: the Triton backward pads the same way)."""
+  B, _, Hq, D = q.shape
+  Hkv = kc.shape[2]
+  G = Hq // Hkv
+  Kp = tri._next_pow2(st.block_size)
+  tq, tk = ROWS // G, KEYS
   plan = tri._plan(st, q.shape, kc.shape)
-  if plan.Sp % tk:
-    raise NotImplementedError(f"{kc.shape[1]} context keys: fewer than one tile of {tk}")
-  lo, hi = tri._row_bounds(anchors.astype(jnp.int32), doc_start.astype(jnp.int32),
-                           valid.astype(jnp.bool_), plan=plan, window=window)
-  ranges, _ = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
   Qp = plan.Np * Kp
+  if plan.Sp % tk or Qp % tq:
+    raise NotImplementedError(f"{kc.shape[1]} context keys or {q.shape[1]} queries: fewer than "
+                              f"one tile ({tk} keys, {tq} queries)")
+  lo, hi = tri._row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
+  ranges, _ = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
   # Row layouts the tiles read as contiguous 2-D slabs: [B, Hkv, Qp * G, D] (row t * G + g) and
   # [B, Hkv, keys, D]; lo / hi per row [B, Qp * G].
   q_rows = tri._pad_blocks(q, plan).reshape(B, Qp, Hkv, G, D).transpose(0, 2, 1, 3, 4)
@@ -168,13 +171,49 @@ def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block
   lo_r, hi_r = (jnp.repeat(x, G, axis=1) for x in (lo, hi))
   kernel = plgpu.kernel(
       lambda *refs: _forward_kernel(
-          *refs, tq=tq, tk=tk, groups=G, kp=Kp, k_real=block_size, causal=window is not None,
-          qk_scale=scale * math.log2(math.e), n_kt=plan.Sp // tk),
+          *refs, tq=tq, tk=tk, groups=G, kp=Kp, k_real=st.block_size,
+          causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
+          n_kt=plan.Sp // tk),
       out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
                 jax.ShapeDtypeStruct((B, Hkv, Qp * G), jnp.float32)),
       grid=(Qp // tq, Hkv, B), grid_names=("q", "h", "b"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret)
+      compiler_params=plgpu.CompilerParams(approx_math=True))
   o_rows, lse = kernel(ranges, lo_r, hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
   out_p = o_rows.reshape(B, Hkv, Qp, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Qp, Hq, D)
-  return tri._unpad_blocks(out_p, plan), lse
+  return tri._unpad_blocks(out_p, plan), out_p, lse
+
+
+def _static(q, block_size, window, scale, config):
+  D = q.shape[-1]
+  if config is None:
+    config = tri.config_lib.default_config(head_dim=D, dtype_bytes=q.dtype.itemsize)
+  return tri._Static(block_size=block_size, window=window,
+                     scale=float(D ** -0.5 if scale is None else scale), interpret=False,
+                     backward=None, config=config)
+
+
+def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block_size: int,
+                          window: int | None = None, scale: float | None = None, config=None):
+  """-> (out [B, N*K, Hq, D], lse base 2 [B, Hkv, Qp * G]) as the Triton forward's with the same
+  config (default: the device's preset). Shapes as api.dflash_attention's; bf16 or f16,
+  G = Hq // Hkv dividing 64 into whole padded blocks, head size a multiple of 64."""
+  _check(q, kc, block_size)
+  st = _static(q, block_size, window, scale, config)
+  out, _, lse = _forward(q, kc, vc, kb, vb, anchors.astype(jnp.int32),
+                         doc_start.astype(jnp.int32), valid.astype(jnp.bool_), st)
+  return out, lse
+
+
+# The Triton dQ and dK/dV kernels read this forward's padded output and lse as their own.
+_attention = tri.with_triton_backward(_forward)
+
+
+def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
+                            block_size: int, window: int | None = None,
+                            scale: float | None = None, config=None):
+  """DFlash attention (api.dflash_attention's contract) with the Mosaic GPU forward and the
+  Triton backward (config: the Triton kernels' tiles, default the device's preset)."""
+  _check(q, k_ctx, block_size)
+  st = _static(q, block_size, window, scale, config)
+  return _attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32),
+                    doc_start.astype(jnp.int32), block_valid.astype(jnp.bool_), st)

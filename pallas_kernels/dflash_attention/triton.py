@@ -470,16 +470,6 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st: _Static):
   return _unpad_blocks(out_p, plan), out_p, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _dflash(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
-  return _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)[0]
-
-
-def _dflash_fwd(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
-  out, out_p, lse = _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)
-  return out, (q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse)
-
-
 def _dflash_bwd(st, res, dout):
   q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse = res
   if st.backward == "reference":
@@ -512,7 +502,23 @@ def _dflash_bwd(st, res, dout):
           None, None, None)
 
 
-_dflash.defvjp(_dflash_fwd, _dflash_bwd)
+def with_triton_backward(forward):
+  """forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st) -> (out, out_p, lse) in this
+  module's layouts, made differentiable by the Triton dQ and dK/dV kernels (_dflash_bwd), which
+  read its padded output and base-2 lse. Another forward kernel (mosaic_gpu.py) shares them."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+  def attention(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
+    return forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)[0]
+
+  def attention_fwd(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
+    out, out_p, lse = forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)
+    return out, (q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse)
+
+  attention.defvjp(attention_fwd, _dflash_bwd)
+  return attention
+
+
+_dflash = with_triton_backward(_forward)
 
 
 def dflash_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,

@@ -1,8 +1,10 @@
 """The Mosaic GPU forward prototype (pallas_kernels/dflash_attention/mosaic_gpu.py).
 
-On a CPU: it lowers for CUDA (Mosaic GPU's layout inference and TMA shape checks run there) and
-refuses the shapes it does not take. On a GPU (pytest -m gpu): its out and base-2 lse equal the
-Triton forward's and the reference's on the suite's cases that fit it (blocks of 16, bf16)."""
+On a CPU: it lowers for CUDA (Mosaic GPU's layout inference and TMA shape checks run there), also
+under the custom VJP with the Triton backward, and refuses the shapes it does not take. On a GPU
+(pytest -m gpu): its out and base-2 lse equal the Triton forward's and the reference's on the
+suite's cases that fit it (blocks of 16, bf16), and so do the gradients through the Triton
+backward."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,19 @@ def test_forward_lowers_for_cuda(head_dim, window, Hq, Hkv):
   text = jax.jit(fwd).trace(*_args(16, head_dim, Hq, Hkv)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered program"
+
+
+def test_forward_and_triton_backward_lower_for_cuda():
+  """dflash_attention_mosaic: the Mosaic GPU forward under a custom VJP whose backward is the
+  Triton dQ and dK/dV kernels, fed the forward's padded output and lse."""
+  def loss(*x):
+    out = mg.dflash_attention_mosaic(*x, block_size=16, window=2048)
+    return jnp.sum(out.astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*_args(16, 128, 32, 8)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for kernel in ("mosaic_gpu", "dflash_bwd_dq", "dflash_bwd_dkv"):
+    assert kernel in text, f"{kernel} is missing from the lowered program"
+  assert "dflash_fwd" not in text, "the Triton forward ran too"
 
 
 @pytest.mark.parametrize("block_size,head_dim,Hq,Hkv,dtype", [
@@ -71,3 +86,23 @@ def test_forward_matches_the_reference_and_the_triton_forward(case):
   real = np.asarray(tri_lse) < 1e29
   np.testing.assert_allclose(np.asarray(lse)[real], np.asarray(tri_lse)[real], atol=2e-2, rtol=1e-3)
   assert np.all(np.asarray(lse)[~real] > 1e29)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES[:2], ids=str)
+def test_forward_and_backward_match_the_reference(case):
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=6)
+  kw = dict(block_size=case.block_size, window=case.window)
+  ct = jax.random.normal(jax.random.PRNGKey(2), q.shape, q.dtype)
+
+  def fwd_bwd(fn, *x):
+    out, vjp = jax.vjp(fn, *x)
+    return out, vjp(ct)
+  out, grads = jax.jit(lambda *x: fwd_bwd(lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw),
+                                          *x))(q, kc, vc, kb, vb)
+  f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
+  ref_out, ref = fwd_bwd(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
+  _assert_close(out, ref_out, atol=3e-2, rtol=3e-2, what="out")
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref):
+    _assert_close(a, b, atol=3e-2, rtol=3e-2, what=name)
