@@ -214,36 +214,25 @@ TUNE_VARIANTS = {
 
 def kernel_parts(xs, idx, *, window, flops_fwd, reps, cfg=None, interpret=False):
   """Median ms of each Pallas kernel alone (forward, dQ + block dK/dV, context dK/dV) on the
-  forward's saved outputs and a random cotangent: where the fwd+bwd time goes. -> {name: ms}."""
+  forward's residuals and a random cotangent, with the backward's own operands
+  (triton._bwd_arrays): where the fwd+bwd time goes. -> {name: ms}."""
   T = dflash_triton
   anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
-  q, kc, vc, kb, vb = xs
-  D = q.shape[-1]
-  cfg = cfg or config_lib.default_config(head_dim=D, interpret=interpret)
-  st = T._Static(block_size=BLOCK, window=window, scale=float(D ** -0.5), interpret=interpret,
-                 backward=None, config=cfg)
+  q, kc = xs[0], xs[1]
+  st = T.make_static(block_size=BLOCK, window=window, scale=q.shape[-1] ** -0.5,
+                     head_dim=q.shape[-1], dtype=q.dtype, interpret=interpret, config=cfg)
   plan = T._plan(st, q.shape, kc.shape)
-  lo, hi = T._row_bounds(anchors, doc_start, valid, plan=plan, window=window)
-  _, out_p, lse = jax.jit(lambda *x: T._forward(*x[:5], *x[5:], st))(*xs, anchors, doc_start,
-                                                                      valid)
-  do5 = T._as_groups(jax.random.normal(jax.random.PRNGKey(1), out_p.shape, q.dtype), plan.G)
-  q5 = T._as_groups(T._pad_blocks(q, plan), plan.G)
-  kb, vb = T._pad_blocks(kb, plan), T._pad_blocks(vb, plan)
-  kc, vc = T._pad_keys(kc, plan), T._pad_keys(vc, plan)
-  delta = jnp.ones(lse.shape, jnp.float32)   # the kernels' cost does not depend on its values
-  r_dq, _ = T._q_tile_ranges(lo, hi, tq=plan.dq_q, tk=plan.dq_k)
-  q_r, any_row = T._q_tile_ranges(lo, hi, tq=plan.dkv_q, tk=plan.dkv_k)
-  r_dkv = T._k_tile_ranges(q_r, any_row, nkt=plan.Sp // plan.dkv_k)
   # Every array is an argument (closed-over arrays would become constants of the executable).
-  dq = lambda q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, r: T._dq_call(
-      q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, r, st=st, plan=plan)
-  dkv = lambda q5, kc, vc, do5, lse, delta, lo, hi, r: T._dkv_call(
-      q5, kc, vc, do5, lse, delta, lo, hi, r, st=st, plan=plan)
+  fwd = jax.jit(lambda xs, idx: T._forward(*xs, *idx, st))
+  idx = (anchors, doc_start, valid)
+  _, out_p, lse = fwd(xs, idx)
+  ct = jax.random.normal(jax.random.PRNGKey(1), q.shape, q.dtype)
+  arrays = jax.jit(lambda res, ct: T._bwd_arrays(st, plan, res, ct))(
+      (*xs, *idx, out_p, lse), ct)
   parts = {
-      "fwd": (jax.jit(lambda *x: T._forward(*x[:5], *x[5:], st)[0]),
-              (*xs, anchors, doc_start, valid)),
-      "dq": (jax.jit(dq), (q5, kc, vc, kb, vb, do5, lse, delta, lo, hi, r_dq)),
-      "dkv": (jax.jit(dkv), (q5, kc, vc, do5, lse, delta, lo, hi, r_dkv)),
+      "fwd": (fwd, (xs, idx)),
+      "dq": (jax.jit(lambda a: T._dq_kernel_call(st, plan, a)), (arrays,)),
+      "dkv": (jax.jit(lambda a: T._dkv_kernel_call(st, plan, a)), (arrays,)),
   }
   return {name: median_seconds(lambda f=f, a=a: f(*a), reps=reps) * 1e3
           for name, (f, a) in parts.items()}

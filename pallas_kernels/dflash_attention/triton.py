@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -470,6 +471,53 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st: _Static):
   return _unpad_blocks(out_p, plan), out_p, lse
 
 
+class _BwdArrays(NamedTuple):
+  """The backward kernels' operands in their padded layouts (see _bwd_arrays)."""
+  q5: jax.Array
+  kc: jax.Array
+  vc: jax.Array
+  kb: jax.Array
+  vb: jax.Array
+  do5: jax.Array
+  lse: jax.Array
+  delta: jax.Array
+  lo: jax.Array
+  hi: jax.Array
+  ranges_dq: jax.Array
+  ranges_dkv: jax.Array
+
+
+def _bwd_arrays(st: _Static, plan: _Plan, res, dout) -> _BwdArrays:
+  """The forward's residuals and the output cotangent -> the dQ and dK/dV kernels' operands."""
+  q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse = res
+  G = plan.G
+  lo, hi = _row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
+  do_p = _pad_blocks(dout.astype(q.dtype), plan)
+  # Delta pre-pass, D_r = sum_d dO * O: one fused XLA reduction reading O and dO once (a Pallas
+  # kernel would do the same memory-bound work). Laid out [B, Hkv, Qp * G] like the lse rows.
+  B, Qp, Hq, _ = do_p.shape
+  delta = jnp.sum(do_p.astype(jnp.float32) * out_p.astype(jnp.float32), -1)
+  delta = delta.reshape(B, Qp, Hq // G, G).transpose(0, 2, 1, 3).reshape(B, Hq // G, Qp * G)
+  ranges_dq, _ = _q_tile_ranges(lo, hi, tq=plan.dq_q, tk=plan.dq_k)
+  q_ranges, any_row = _q_tile_ranges(lo, hi, tq=plan.dkv_q, tk=plan.dkv_k)
+  ranges_dkv = _k_tile_ranges(q_ranges, any_row, nkt=plan.Sp // plan.dkv_k)
+  return _BwdArrays(_as_groups(_pad_blocks(q, plan), G), _pad_keys(kc, plan),
+                    _pad_keys(vc, plan), _pad_blocks(kb, plan), _pad_blocks(vb, plan),
+                    _as_groups(do_p, G), lse, delta, lo, hi, ranges_dq, ranges_dkv)
+
+
+def _dq_kernel_call(st: _Static, plan: _Plan, a: _BwdArrays):
+  """-> dQ [B, Qp, Hkv, G, D] and the own blocks' dK, dV (padded)."""
+  return _dq_call(a.q5, a.kc, a.vc, a.kb, a.vb, a.do5, a.lse, a.delta, a.lo, a.hi, a.ranges_dq,
+                  st=st, plan=plan)
+
+
+def _dkv_kernel_call(st: _Static, plan: _Plan, a: _BwdArrays):
+  """-> the context's dK, dV [B, Sp, Hkv, D]."""
+  return _dkv_call(a.q5, a.kc, a.vc, a.do5, a.lse, a.delta, a.lo, a.hi, a.ranges_dkv, st=st,
+                   plan=plan)
+
+
 def _dflash_bwd(st, res, dout):
   q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse = res
   if st.backward == "reference":
@@ -479,24 +527,10 @@ def _dflash_bwd(st, res, dout):
     return (*vjp(dout), None, None, None)
 
   plan = _plan(st, q.shape, kc.shape)
-  G = plan.G
-  lo, hi = _row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
-  do_p = _pad_blocks(dout.astype(q.dtype), plan)
-  # Delta pre-pass, D_r = sum_d dO * O: one fused XLA reduction reading O and dO once (a Pallas
-  # kernel would do the same memory-bound work). Laid out [B, Hkv, Qp * G] like the lse rows.
-  B, Qp, Hq, _ = do_p.shape
-  delta = jnp.sum(do_p.astype(jnp.float32) * out_p.astype(jnp.float32), -1)
-  delta = delta.reshape(B, Qp, Hq // G, G).transpose(0, 2, 1, 3).reshape(B, Hq // G, Qp * G)
-
-  q5, do5 = _as_groups(_pad_blocks(q, plan), G), _as_groups(do_p, G)
-  kcp, vcp = _pad_keys(kc, plan), _pad_keys(vc, plan)
-  ranges_dq, _ = _q_tile_ranges(lo, hi, tq=plan.dq_q, tk=plan.dq_k)
-  dq5, dkb, dvb = _dq_call(q5, kcp, vcp, _pad_blocks(kb, plan), _pad_blocks(vb, plan), do5, lse,
-                           delta, lo, hi, ranges_dq, st=st, plan=plan)
-  q_ranges, any_row = _q_tile_ranges(lo, hi, tq=plan.dkv_q, tk=plan.dkv_k)
-  ranges_dkv = _k_tile_ranges(q_ranges, any_row, nkt=plan.Sp // plan.dkv_k)
-  dkc, dvc = _dkv_call(q5, kcp, vcp, do5, lse, delta, lo, hi, ranges_dkv, st=st, plan=plan)
-  dq = _unpad_blocks(dq5.reshape(B, Qp, Hq, -1), plan)
+  a = _bwd_arrays(st, plan, res, dout)
+  dq5, dkb, dvb = _dq_kernel_call(st, plan, a)
+  dkc, dvc = _dkv_kernel_call(st, plan, a)
+  dq = _unpad_blocks(dq5.reshape(*dq5.shape[:2], -1, dq5.shape[-1]), plan)
   S = plan.S
   return (dq, dkc[:, :S], dvc[:, :S], _unpad_blocks(dkb, plan), _unpad_blocks(dvb, plan),
           None, None, None)
@@ -519,6 +553,18 @@ def with_triton_backward(forward):
 
 
 _dflash = with_triton_backward(_forward)
+
+
+def make_static(*, block_size: int, window: int | None, scale: float, head_dim: int, dtype,
+                interpret: bool = False, backward: str | None = None,
+                config: config_lib.DFlashConfig | None = None) -> _Static:
+  """The kernels' static settings; config None: the device's preset for this (kernel) head size
+  and dtype. scale is the softmax scale already resolved (D ** -0.5 of the unpadded D)."""
+  if config is None:
+    config = config_lib.default_config(head_dim=head_dim, dtype_bytes=jnp.dtype(dtype).itemsize,
+                                       interpret=interpret)
+  return _Static(block_size=block_size, window=window, scale=float(scale), interpret=interpret,
+                 backward=backward, config=config)
 
 
 def dflash_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
@@ -556,11 +602,8 @@ def dflash_attention_triton(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, b
   if Dp != D:
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
     q, kv = pad(q), tuple(pad(x) for x in kv)
-  if config is None:
-    config = config_lib.default_config(head_dim=Dp, dtype_bytes=q.dtype.itemsize,
-                                       interpret=interpret)
-  st = _Static(block_size=block_size, window=window, scale=scale, interpret=interpret,
-               backward=backward, config=config)
+  st = make_static(block_size=block_size, window=window, scale=scale, head_dim=Dp,
+                   dtype=q.dtype, interpret=interpret, backward=backward, config=config)
   out = _dflash(q, *kv, anchors.astype(jnp.int32), doc_start.astype(jnp.int32),
                 block_valid.astype(jnp.bool_), st)
   return out[..., :D] if Dp != D else out
