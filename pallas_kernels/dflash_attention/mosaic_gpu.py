@@ -130,15 +130,16 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
 
 
 def _check(q, kc, block_size):
-  B, _, Hq, D = q.shape
+  _, _, Hq, D = q.shape
   Hkv = kc.shape[2]
   G = Hq // Hkv
   Kp = tri._next_pow2(block_size)
   if Hq % Hkv or ROWS % G or (ROWS // G) % Kp:
     raise NotImplementedError(f"{Hq}/{Hkv} heads with blocks of {block_size}: a tile of 64 rows "
                               "must hold whole blocks of every query head of a KV head")
-  if D % 64 or q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise NotImplementedError(f"head size {D} ({q.dtype}): needs a multiple of 64, bf16/f16")
+  # A multiple of 64 for the 128-byte swizzle, a power of two for the Triton backward.
+  if D < 64 or D & (D - 1) or q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise NotImplementedError(f"head size {D} ({q.dtype}): needs a power of two >= 64, bf16/f16")
 
 
 def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
@@ -185,11 +186,9 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
 
 def _static(q, block_size, window, scale, config):
   D = q.shape[-1]
-  if config is None:
-    config = tri.config_lib.default_config(head_dim=D, dtype_bytes=q.dtype.itemsize)
-  return tri._Static(block_size=block_size, window=window,
-                     scale=float(D ** -0.5 if scale is None else scale), interpret=False,
-                     backward=None, config=config)
+  return tri.make_static(block_size=block_size, window=window,
+                         scale=D ** -0.5 if scale is None else scale, head_dim=D, dtype=q.dtype,
+                         config=config)
 
 
 def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block_size: int,

@@ -51,6 +51,7 @@ def test_forward_and_triton_backward_lower_for_cuda():
 @pytest.mark.parametrize("block_size,head_dim,Hq,Hkv,dtype", [
     (16, 128, 16, 2, jnp.bfloat16),    # G = 8: a 64-row tile would hold half a block
     (16, 80, 4, 2, jnp.bfloat16),      # head size not a multiple of 64
+    (16, 192, 4, 2, jnp.bfloat16),     # not a power of two: the Triton backward's head sizes
     (16, 64, 4, 2, jnp.float32)])
 def test_shapes_it_does_not_take_are_refused(block_size, head_dim, Hq, Hkv, dtype):
   x = [jnp.zeros(a.shape, a.dtype) for a in _args(block_size, head_dim, Hq, Hkv, dtype=dtype)]
