@@ -164,8 +164,12 @@ def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps):
   try:
     got, want = jax.jit(attn)(*xs), jax.jit(tri)(*xs)
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    bound = 3e-2 * max(1.0, float(jnp.max(jnp.abs(want.astype(jnp.float32)))))  # bf16 outputs
   except Exception as e:  # noqa: BLE001 (a prototype's failure is a result)
     row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return row
+  if not err <= bound:          # a wrong kernel gets no speed figure (NaN included)
+    row.note = f"WRONG: max |out - triton out| {err:.3g} > {bound:.3g}; not timed"
     return row
   row = bench_jax_fn(attn, xs, flops_fwd, row, reps)
   row.note = (row.note + " " if row.note else "") + f"max |out - triton out| {err:.3g}"
