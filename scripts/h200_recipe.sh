@@ -59,6 +59,7 @@ RUN=$D/runs/${ARM:-recipe}
 # resumes its run from the last checkpoint.
 [ -n "${ARM:-}" ] || [ -z "${EXTRA:-}" ] || RUN=$RUN-$(printf %s "$EXTRA" | sha256sum | cut -c1-8)
 DONE=${DONE_FILE:-$D/DONE}
+LOGS="pipeline.log regen.log regen.json train.log eval.log eval.json metrics.jsonl"  # one launch's, in $L
 COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf_file=$GGUF"
         "data.path=$D/sharegpt_user_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
@@ -73,8 +74,7 @@ stamp() { echo "=== [$(date +%T)] $*"; }
 collect() {  # what the pipeline wrote so far -> $OUT (at most 8 files come back, 16 MiB each)
   # the run the pipeline is training now (it writes $L/run; an arm's own run under ARMS)
   run=$(cat "$L/run" 2>/dev/null) && [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$L/metrics.jsonl"
-  (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d pipeline.log regen.log regen.json train.log eval.log \
-      eval.json metrics.jsonl arm-* 2>/dev/null))
+  (cd "$L" && tar czf "$OUT/logs.tar.gz" $(ls -d $LOGS arm-* 2>/dev/null))
   # Once each, by the call that sees the pipeline done: the regenerated answers (regen.xz.part_*,
   # which a later session restores with a "stage" call carrying them in .gpu_c) and each trained
   # drafter (drafter-ARM.xz.part_*: its export/ and config.json, restored from .gpu_d so that
@@ -160,8 +160,7 @@ case "${1:-}" in
     # launch's drafter comes back and 'watch' reports this launch; the answers' parts stay.
     if [ -f "$L/run" ]; then
       old=$L/earlier-$(date +%s) && mkdir -p "$old"
-      mv $(cd "$L" && ls -d pipeline.log regen.log regen.json train.log eval.log eval.json \
-          metrics.jsonl run drafter-* 2>/dev/null | sed "s|^|$L/|") "$old/"
+      mv $(cd "$L" && ls -d $LOGS run drafter-* 2>/dev/null | sed "s|^|$L/|") "$old/"
     fi
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
     cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
