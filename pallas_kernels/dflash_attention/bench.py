@@ -12,7 +12,8 @@ for one call); "ideal" is inputs + outputs (+ gradients). Alternatives in the sa
   xla    the dense-mask reference under XLA (materialises [Q, S] scores; only where it fits),
   cudnn  jax.nn.dot_product_attention(implementation="cudnn"), dense causal self-attention over
          T = N*16 tokens with the same heads (a ceiling: the best fused attention on this GPU),
-  mosaic (--mosaic) our Mosaic GPU forward prototype with the Triton backward (mosaic_gpu.py),
+  mosaic (--mosaic) our Mosaic GPU kernels (mosaic_gpu.py): "mosaic-fwd" its forward with the
+         Triton backward, "mosaic" its forward, dQ and dK/dV kernels,
   mgpu   (--mgpu) JAX's Mosaic GPU flash attention for Hopper on dense non-causal attention of
          the same sizes (no mask: its backward has none yet): the ceiling of a Mosaic GPU kernel
          with the same forward / dQ / dK-dV structure,
@@ -152,27 +153,42 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
                       Row("mgpu-dense", "nomask", f"{S}x{N}"), reps)
 
 
-def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps):
-  """The Mosaic GPU forward prototype with the Triton backward (mosaic_gpu.py), after checking its
-  output against the Triton kernel's."""
+def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton"):
+  """Our Mosaic GPU kernels (mosaic_gpu.py): the forward with the Triton backward
+  ("mosaic-fwd") or with the Mosaic GPU dQ and dK/dV kernels ("mosaic"), timed only after its
+  output and (for "mosaic") every gradient matched the Triton kernel's within bf16 tolerance."""
   from pallas_kernels.dflash_attention import mosaic_gpu
   anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
   kw = dict(block_size=BLOCK, window=window)
-  attn = lambda *x: mosaic_gpu.dflash_attention_mosaic(*x, anchors, doc_start, valid, **kw)
+  attn = lambda *x: mosaic_gpu.dflash_attention_mosaic(*x, anchors, doc_start, valid, **kw,
+                                                       backward=backward)
   tri = lambda *x: dflash_triton.dflash_attention_triton(*x, anchors, doc_start, valid, **kw)
-  row = Row("mosaic-fwd", "full" if window is None else f"w{window}", shape)
+  row = Row("mosaic-fwd" if backward == "triton" else "mosaic",
+            "full" if window is None else f"w{window}", shape)
+  ct = jax.random.normal(jax.random.PRNGKey(1), xs[0].shape, xs[0].dtype)
+  names = ("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk")[:6 if backward == "mosaic" else 1]
+
+  def outputs(f):
+    def run(*x):
+      out, vjp = jax.vjp(f, *x)
+      return (out, *vjp(ct))[:len(names)]
+    return jax.jit(run)(*xs)
+  worst = ""
   try:
-    got, want = jax.jit(attn)(*xs), jax.jit(tri)(*xs)
-    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-    bound = 3e-2 * max(1.0, float(jnp.max(jnp.abs(want.astype(jnp.float32)))))  # bf16 outputs
+    got, want = outputs(attn), outputs(tri)
+    for name, a, b in zip(names, got, want):
+      a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+      err = float(jnp.max(jnp.abs(a - b)))
+      bound = 3e-2 * max(1.0, float(jnp.max(jnp.abs(b))))  # bf16 outputs
+      if not err <= bound:      # a wrong kernel gets no speed figure (NaN included)
+        row.note = f"WRONG: max |{name} - triton {name}| {err:.3g} > {bound:.3g}; not timed"
+        return row
+      worst += f" {name} {err:.2g}"
   except Exception as e:  # noqa: BLE001 (a prototype's failure is a result)
     row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
     return row
-  if not err <= bound:          # a wrong kernel gets no speed figure (NaN included)
-    row.note = f"WRONG: max |out - triton out| {err:.3g} > {bound:.3g}; not timed"
-    return row
   row = bench_jax_fn(attn, xs, flops_fwd, row, reps)
-  row.note = (row.note + " " if row.note else "") + f"max |out - triton out| {err:.3g}"
+  row.note = (row.note + " " if row.note else "") + f"max |x - triton x|:{worst}"
   return row
 
 
@@ -261,7 +277,8 @@ def main(argv=None, torch_rows=None):
                  help="also JAX's Mosaic GPU flash attention (Hopper) on dense attention of the "
                       "same sizes: the ceiling of the Mosaic GPU route")
   p.add_argument("--mosaic", action="store_true",
-                 help="also the Mosaic GPU forward prototype (Hopper) with the Triton backward")
+                 help="also our Mosaic GPU kernels (Hopper): the forward with the Triton "
+                      "backward, and forward + Mosaic GPU backward")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -299,8 +316,9 @@ def main(argv=None, torch_rows=None):
                        interpret=args.interpret, **common))
       emit(bench_jax("triton", "pallas", xs, idx, cfg=cfg, interpret=args.interpret, **common))
       if args.mosaic:
-        emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
-                          reps=args.reps))
+        for backward in ("triton", "mosaic"):
+          emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
+                            reps=args.reps, backward=backward))
       if args.parts:
         ms = kernel_parts(xs, idx, window=window, flops_fwd=flops, reps=args.reps, cfg=cfg,
                           interpret=args.interpret)

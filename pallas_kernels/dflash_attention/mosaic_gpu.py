@@ -20,7 +20,9 @@ inference on this kernel, and the interpreter supports neither `plgpu.load` nor 
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +131,159 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   )
 
 
+def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g, vb_g,
+               dq_g, dkb_g, dvb_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, scale, n_kt):
+  """dQ of one 64-row query tile, and the gradients of its own blocks' keys (no other tile sees
+  them): the Triton dQ kernel's work, one warpgroup per tile, context K/V tiles pipelined."""
+  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+  d = q_g.shape[-1]
+  dtype = q_g.dtype
+  rows = pl.ds(i * ROWS, ROWS)
+  tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+  wgmma_layout = plgpu.Layout.WGMMA
+  # vectors along a tile's first / second axis (a [64, X] tile's rows / columns)
+  along0, along1 = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+  iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+  rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
+  cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
+  T = lambda ref: plgpu.transpose_ref(ref, (1, 0))
+
+  def mm(lhs, rhs, shape):
+    def run(acc_ref):
+      plgpu.wgmma(acc_ref, lhs, rhs)
+      return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+  def scoped(q_smem, do_smem, kb_smem, vb_smem, lse_smem, delta_smem, lo_smem, hi_smem, bars):
+    copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
+              # the own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked
+              # out; padded by 64 - tq): wgmma takes 64 keys
+              (kb_g.at[b, h, pl.ds(i * tq, ROWS)], kb_smem),
+              (vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem),
+              (lse_g.at[b, h, rows], lse_smem), (delta_g.at[b, h, rows], delta_smem),
+              (lo_g.at[b, rows], lo_smem), (hi_g.at[b, rows], hi_smem))
+    for j, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[j])
+    for j in range(len(copies)):
+      plgpu.barrier_wait(bars.at[j])
+    lse_c, delta_c = (plgpu.load(r, (), layout=along0) for r in (lse_smem, delta_smem))
+    lse_r, delta_r = (plgpu.load(r, (), layout=along1) for r in (lse_smem, delta_smem))
+    lo = plgpu.load(lo_smem, (), layout=along0)
+    hi = plgpu.load(hi_smem, (), layout=along0)
+    sq = (ROWS, ROWS)
+
+    def block_mask(keys_first):
+      r_ids, c_ids = iota(sq, 1 if keys_first else 0), iota(sq, 0 if keys_first else 1)
+      t = r_ids // groups
+      mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
+      return mask & (c_ids % kp <= t % kp) if causal else mask
+
+    # Own blocks, rows first: dQ's share.
+    s = jnp.where(block_mask(False), mm(q_smem, T(kb_smem), sq) * qk_scale, tri._NEG)
+    p = jnp.exp2(s - rows_of(lse_c, sq))
+    ds = p * (mm(do_smem, T(vb_smem), sq) - rows_of(delta_c, sq))
+    dq = mm(ds.astype(dtype), kb_smem, (ROWS, d))
+    # Own blocks, keys first ([keys, rows]): their dK and dV, the contraction over rows summing
+    # the G query heads.
+    sT = jnp.where(block_mask(True), mm(kb_smem, T(q_smem), sq) * qk_scale, tri._NEG)
+    pT = jnp.exp2(sT - cols_of(lse_r, sq))
+    dsT = pT * (mm(vb_smem, T(do_smem), sq) - cols_of(delta_r, sq))
+    dvb = mm(pT.astype(dtype), do_smem, (ROWS, d))
+    dkb = mm(dsT.astype(dtype), q_smem, (ROWS, d)) * scale
+    kb_smem[...] = dkb.astype(dtype)
+    vb_smem[...] = dvb.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(i * tq, tq)])
+    plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(i * tq, tq)])
+
+    # Context tiles [kt_lo, kt_hi), at least one (masked to nothing where the tile has none).
+    kt_lo = jnp.minimum(ranges_g[b, i, 0], n_kt - 1)
+    n = jnp.maximum(ranges_g[b, i, 3] - kt_lo, 1)
+    st = (ROWS, tk)
+
+    def step(idx, k_smem, v_smem, dq):
+      j = (kt_lo + idx[0]) * tk + iota(st, 1)
+      seen = (j >= rows_of(lo, st)) & (j < rows_of(hi, st))
+      s = jnp.where(seen, mm(q_smem, T(k_smem), st) * qk_scale, tri._NEG)
+      p = jnp.exp2(s - rows_of(lse_c, st))
+      ds = p * (mm(do_smem, T(v_smem), st) - rows_of(delta_c, st))
+      return dq + mm(ds.astype(dtype), k_smem, (ROWS, d))
+
+    spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
+                           transforms=(tiling, swizzle))
+    dq = plgpu.emit_pipeline(step, grid=(n,), in_specs=[spec, spec], max_concurrent_steps=2,
+                             init_carry=dq)(kc_g.at[b, h], vc_g.at[b, h])
+    q_smem[...] = (dq * scale).astype(dtype)      # the q tile's buffer holds dQ
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  tile = lambda: plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle))
+  pl.run_scoped(scoped, tile(), tile(), tile(), tile(), plgpu.SMEM((ROWS,), jnp.float32),
+                plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.int32),
+                plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_barriers=8))
+
+
+def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
+                tk, qk_scale, scale, n_qt):
+  """dK, dV of one context key tile over the query tiles that may see it (keys first, [TK, R]:
+  the contraction over rows sums the G query heads), query tiles pipelined."""
+  j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+  d = q_g.shape[-1]
+  dtype = q_g.dtype
+  keys = pl.ds(j * tk, tk)
+  tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+  wgmma_layout = plgpu.Layout.WGMMA
+  along1 = wgmma_layout.reduce(0)      # vectors along a [TK, R] tile's second axis (query rows)
+  T = lambda ref: plgpu.transpose_ref(ref, (1, 0))
+  st = (tk, ROWS)
+  cols_of = lambda x: lax.broadcast_in_dim(x, st, [1])
+
+  def mm(lhs, rhs, shape):
+    def run(acc_ref):
+      plgpu.wgmma(acc_ref, lhs, rhs)
+      return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+  def scoped(k_smem, v_smem, bars):
+    plgpu.copy_gmem_to_smem(kc_g.at[b, h, keys], k_smem, bars.at[0])
+    plgpu.copy_gmem_to_smem(vc_g.at[b, h, keys], v_smem, bars.at[1])
+    plgpu.barrier_wait(bars.at[0])
+    plgpu.barrier_wait(bars.at[1])
+    qa = jnp.minimum(ranges_g[b, j, 0], n_qt - 1)
+    n = jnp.maximum(ranges_g[b, j, 3] - qa, 1)
+    key_ids = j * tk + plgpu.broadcasted_iota(jnp.int32, st, 0, layout=wgmma_layout)
+
+    def step(idx, q_smem, do_smem, lse_smem, delta_smem, lo_smem, hi_smem, carry):
+      dk, dv = carry
+      lse, delta, lo, hi = (plgpu.load(r, (), layout=along1)
+                            for r in (lse_smem, delta_smem, lo_smem, hi_smem))
+      seen = (key_ids >= cols_of(lo)) & (key_ids < cols_of(hi))
+      sT = jnp.where(seen, mm(k_smem, T(q_smem), st) * qk_scale, tri._NEG)
+      pT = jnp.exp2(sT - cols_of(lse))
+      dv = dv + mm(pT.astype(dtype), do_smem, (tk, d))
+      dsT = pT * (mm(v_smem, T(do_smem), st) - cols_of(delta))
+      return dk + mm(dsT.astype(dtype), q_smem, (tk, d)), dv
+
+    tile = plgpu.BlockSpec(block_shape=(ROWS, d), index_map=lambda t: (qa + t, 0),
+                           transforms=(tiling, swizzle))
+    vec = plgpu.BlockSpec(block_shape=(ROWS,), index_map=lambda t: (qa + t,))
+    zeros = plgpu.layout_cast(jnp.zeros((tk, d), jnp.float32), wgmma_layout)
+    dk, dv = plgpu.emit_pipeline(step, grid=(n,), in_specs=[tile, tile, vec, vec, vec, vec],
+                                 max_concurrent_steps=2, init_carry=(zeros, zeros))(
+                                     q_g.at[b, h], do_g.at[b, h], lse_g.at[b, h],
+                                     delta_g.at[b, h], lo_g.at[b], hi_g.at[b])
+    k_smem[...] = (dk * scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_g.at[b, h, keys])
+    plgpu.copy_smem_to_gmem(v_smem, dv_g.at[b, h, keys])
+    plgpu.wait_smem_to_gmem(0)
+
+  tile = lambda: plgpu.SMEM((tk, d), dtype, transforms=(tiling, swizzle))
+  pl.run_scoped(scoped, tile(), tile(), plgpu.Barrier(num_barriers=2))
+
+
 def _check(q, kc, block_size):
   _, _, Hq, D = q.shape
   Hkv = kc.shape[2]
@@ -142,46 +297,126 @@ def _check(q, kc, block_size):
     raise NotImplementedError(f"head size {D} ({q.dtype}): needs a power of two >= 64, bf16/f16")
 
 
+class _Geometry(NamedTuple):
+  plan: tri._Plan
+  tq: int                 # query tokens of a 64-row tile
+  lo: jax.Array           # per query token [B, Qp]: visible context [lo, hi)
+  hi: jax.Array
+  lo_r: jax.Array         # per row [B, Qp * G] (token t's G rows t * G + g)
+  hi_r: jax.Array
+  ranges: jax.Array       # per query tile [B, Qp // tq, 4]: its key tiles (triton._q_tile_ranges)
+  any_row: jax.Array
+
+
+def _geometry(st, q_shape, kc_shape, anchors, doc_start, valid) -> _Geometry:
+  G = q_shape[2] // kc_shape[2]
+  tq = ROWS // G
+  plan = tri._plan(st, q_shape, kc_shape)
+  if plan.Sp % KEYS or (plan.Np * plan.Kp) % tq:
+    raise NotImplementedError(f"{kc_shape[1]} context keys or {q_shape[1]} queries: fewer than "
+                              f"one tile ({KEYS} keys, {tq} queries)")
+  lo, hi = tri._row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
+  ranges, any_row = tri._q_tile_ranges(lo, hi, tq=tq, tk=KEYS)
+  lo_r, hi_r = (jnp.repeat(x, G, axis=1) for x in (lo, hi))
+  return _Geometry(plan, tq, lo, hi, lo_r, hi_r, ranges, any_row)
+
+
+def _to_rows(x, plan, G):
+  """[B, Q, Hq, D] -> the tiles' rows [B, Hkv, Qp * G, D] (row t * G + g): 64 consecutive rows
+  are a tile's queries of one KV head, read as one contiguous slab."""
+  B, _, Hq, D = x.shape
+  x = tri._pad_blocks(x, plan).reshape(B, plan.Np * plan.Kp, Hq // G, G, D)
+  return x.transpose(0, 2, 1, 3, 4).reshape(B, Hq // G, -1, D)
+
+
+def _from_rows(x, plan, G):
+  """Inverse of _to_rows up to the block padding: -> [B, Qp, Hq, D] (padded)."""
+  B, Hkv, _, D = x.shape
+  return x.reshape(B, Hkv, plan.Np * plan.Kp, G, D).transpose(0, 2, 1, 3, 4).reshape(
+      B, plan.Np * plan.Kp, Hkv * G, D)
+
+
+_heads_first = lambda x: x.transpose(0, 2, 1, 3)      # [B, T, H, D] -> [B, H, T, D]
+
+
+def _pad_own_keys(x, plan, tq):
+  """[B, H, Qp, ...] -> padded by 64 - tq (rounded to 64) on axis 2: a tile reads its own blocks'
+  keys as one 64-key box, the TMA tiling the key axis by 64."""
+  Qp = plan.Np * plan.Kp
+  extra = tri._round_up(Qp + ROWS - tq, ROWS) - Qp
+  pad = [(0, 0)] * x.ndim
+  pad[2] = (0, extra)
+  return jnp.pad(x, pad)
+
+
 def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
-  """-> (out, out_p padded [B, Qp, Hq, D], lse) in the layouts of triton._forward for the same
-  st (its config's plan: the Triton backward pads the same way)."""
+  """-> (out, out_p padded [B, Qp, Hq, D], lse base 2 [B, Hkv, Qp * G]) in the layouts of
+  triton._forward (its backward reads them)."""
   B, _, Hq, D = q.shape
   Hkv = kc.shape[2]
   G = Hq // Hkv
-  Kp = tri._next_pow2(st.block_size)
-  tq, tk = ROWS // G, KEYS
-  plan = tri._plan(st, q.shape, kc.shape)
-  Qp = plan.Np * Kp
-  if plan.Sp % tk or Qp % tq:
-    raise NotImplementedError(f"{kc.shape[1]} context keys or {q.shape[1]} queries: fewer than "
-                              f"one tile ({tk} keys, {tq} queries)")
-  lo, hi = tri._row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
-  ranges, _ = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
-  # Row layouts the tiles read as contiguous 2-D slabs: [B, Hkv, Qp * G, D] (row t * G + g) and
-  # [B, Hkv, keys, D]; lo / hi per row [B, Qp * G].
-  q_rows = tri._pad_blocks(q, plan).reshape(B, Qp, Hkv, G, D).transpose(0, 2, 1, 3, 4)
-  q_rows = q_rows.reshape(B, Hkv, Qp * G, D)
-  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid)
+  plan, tq = geo.plan, geo.tq
+  q_rows = _to_rows(q, plan, G)
   # K transposed ([B, Hkv, D, keys]): the scores' right operand needs no transposed view.
   keys_last = lambda x: x.transpose(0, 2, 3, 1)
-  kc_h, vc_h = keys_last(tri._pad_keys(kc, plan)), heads_first(tri._pad_keys(vc, plan))
-  kb_h, vb_h = keys_last(tri._pad_blocks(kb, plan)), heads_first(tri._pad_blocks(vb, plan))
-  extra = tri._round_up(Qp + ROWS - tq, ROWS) - Qp   # TMA boxes tile the key axis by 64
-  kb_h = jnp.pad(kb_h, ((0, 0), (0, 0), (0, 0), (0, extra)))
-  vb_h = jnp.pad(vb_h, ((0, 0), (0, 0), (0, extra), (0, 0)))
-  lo_r, hi_r = (jnp.repeat(x, G, axis=1) for x in (lo, hi))
+  kc_h, vc_h = keys_last(tri._pad_keys(kc, plan)), _heads_first(tri._pad_keys(vc, plan))
+  kb_h = _pad_own_keys(_heads_first(tri._pad_blocks(kb, plan)), plan, tq).transpose(0, 1, 3, 2)
+  vb_h = _pad_own_keys(_heads_first(tri._pad_blocks(vb, plan)), plan, tq)
   kernel = plgpu.kernel(
       lambda *refs: _forward_kernel(
-          *refs, tq=tq, tk=tk, groups=G, kp=Kp, k_real=st.block_size,
+          *refs, tq=tq, tk=KEYS, groups=G, kp=plan.Kp, k_real=st.block_size,
           causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
-          n_kt=plan.Sp // tk),
+          n_kt=plan.Sp // KEYS),
       out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-                jax.ShapeDtypeStruct((B, Hkv, Qp * G), jnp.float32)),
-      grid=(Qp // tq, Hkv, B), grid_names=("q", "h", "b"),
+                jax.ShapeDtypeStruct((B, Hkv, q_rows.shape[2]), jnp.float32)),
+      grid=(q_rows.shape[2] // ROWS, Hkv, B), grid_names=("q", "h", "b"),
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  o_rows, lse = kernel(ranges, lo_r, hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
-  out_p = o_rows.reshape(B, Hkv, Qp, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Qp, Hq, D)
+  o_rows, lse = kernel(geo.ranges, geo.lo_r, geo.hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
+  out_p = _from_rows(o_rows, plan, G)
   return tri._unpad_blocks(out_p, plan), out_p, lse
+
+
+def _backward(st, res, dout):
+  """The Mosaic GPU dQ (+ own-block dK/dV) and context dK/dV kernels: triton._dflash_bwd's
+  contract, from the forward's padded output and base-2 lse."""
+  q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse = res
+  B, _, Hq, D = q.shape
+  Hkv = kc.shape[2]
+  G = Hq // Hkv
+  geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid)
+  plan, tq = geo.plan, geo.tq
+  do_p = tri._pad_blocks(dout.astype(q.dtype), plan)
+  # D_r = sum_d dO * O per row, one fused XLA reduction, in the lse's layout [B, Hkv, Qp * G].
+  delta = jnp.sum(do_p.astype(jnp.float32) * out_p.astype(jnp.float32), -1)
+  delta = delta.reshape(B, -1, Hkv, G).transpose(0, 2, 1, 3).reshape(B, Hkv, -1)
+  q_rows, do_rows = _to_rows(q, plan, G), _to_rows(dout.astype(q.dtype), plan, G)
+  kc_h, vc_h = (_heads_first(tri._pad_keys(x, plan)) for x in (kc, vc))
+  kb_h, vb_h = (_pad_own_keys(_heads_first(tri._pad_blocks(x, plan)), plan, tq) for x in (kb, vb))
+  Qp, n_rows, n_kt = plan.Np * plan.Kp, q_rows.shape[2], plan.Sp // KEYS
+  qk_scale = st.scale * math.log2(math.e)
+  params = plgpu.CompilerParams(approx_math=True)
+  blk = jax.ShapeDtypeStruct((B, Hkv, Qp, D), q.dtype)
+  dq_rows, dkb, dvb = plgpu.kernel(
+      lambda *refs: _dq_kernel(
+          *refs, tq=tq, tk=KEYS, groups=G, kp=plan.Kp, k_real=st.block_size,
+          causal=st.window is not None, qk_scale=qk_scale, scale=st.scale, n_kt=n_kt),
+      out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype), blk, blk),
+      grid=(n_rows // ROWS, Hkv, B), grid_names=("q", "h", "b"), compiler_params=params)(
+          geo.ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
+  k_ranges = tri._k_tile_ranges(geo.ranges, geo.any_row, nkt=n_kt)
+  ctx = jax.ShapeDtypeStruct(kc_h.shape, q.dtype)
+  dkc, dvc = plgpu.kernel(
+      lambda *refs: _dkv_kernel(*refs, tk=KEYS, qk_scale=qk_scale, scale=st.scale,
+                                n_qt=n_rows // ROWS),
+      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"),
+      compiler_params=params)(
+          k_ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h)
+  dq = tri._unpad_blocks(_from_rows(dq_rows, plan, G), plan)
+  S = plan.S
+  blocks = lambda x: tri._unpad_blocks(_heads_first(x), plan)
+  return (dq, _heads_first(dkc)[:, :S], _heads_first(dvc)[:, :S], blocks(dkb), blocks(dvb),
+          None, None, None)
 
 
 def _static(q, block_size, window, scale, config):
@@ -207,12 +442,30 @@ def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block
 _attention = tri.with_triton_backward(_forward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention_mgpu(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
+  return _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)[0]
+
+
+def _attention_mgpu_fwd(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
+  out, out_p, lse = _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)
+  return out, (q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse)
+
+
+_attention_mgpu.defvjp(_attention_mgpu_fwd, _backward)
+
+
 def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
                             block_size: int, window: int | None = None,
-                            scale: float | None = None, config=None):
-  """DFlash attention (api.dflash_attention's contract) with the Mosaic GPU forward and the
-  Triton backward (config: the Triton kernels' tiles, default the device's preset)."""
+                            scale: float | None = None, config=None, backward: str = "triton"):
+  """DFlash attention (api.dflash_attention's contract) with the Mosaic GPU forward.
+
+  backward: "triton" (the Triton dQ and dK/dV kernels; config: their tiles, default the
+  device's preset) or "mosaic" (this module's dQ and dK/dV kernels)."""
   _check(q, k_ctx, block_size)
+  if backward not in ("triton", "mosaic"):
+    raise ValueError(f"backward={backward!r} must be 'triton' or 'mosaic'")
   st = _static(q, block_size, window, scale, config)
-  return _attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32),
-                    doc_start.astype(jnp.int32), block_valid.astype(jnp.bool_), st)
+  fn = _attention if backward == "triton" else _attention_mgpu
+  return fn(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32),
+            doc_start.astype(jnp.int32), block_valid.astype(jnp.bool_), st)

@@ -4,7 +4,7 @@ On a CPU: it lowers for CUDA (Mosaic GPU's layout inference and TMA shape checks
 under the custom VJP with the Triton backward, and refuses the shapes it does not take. On a GPU
 (pytest -m gpu): its out and base-2 lse equal the Triton forward's and the reference's on the
 suite's cases that fit it (blocks of 16, bf16), and so do the gradients through the Triton
-backward."""
+backward and through the Mosaic GPU dQ and dK/dV kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,19 @@ def test_forward_lowers_for_cuda(head_dim, window, Hq, Hkv):
   text = jax.jit(fwd).trace(*_args(16, head_dim, Hq, Hkv)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered program"
+
+
+@pytest.mark.parametrize("head_dim,window,Hq,Hkv", [
+    (128, 2048, 32, 8), (64, None, 8, 2), (128, None, 4, 2), (64, 1, 4, 4)])
+def test_mosaic_backward_lowers_for_cuda(head_dim, window, Hq, Hkv):
+  """backward="mosaic": the forward, dQ and dK/dV are all Mosaic GPU kernels; no Triton one."""
+  def loss(*x):
+    out = mg.dflash_attention_mosaic(*x, block_size=16, window=window, backward="mosaic")
+    return jnp.sum(out.astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+      *_args(16, head_dim, Hq, Hkv)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3, "fewer than three Mosaic GPU kernels"
+  assert "dflash_bwd" not in text and "dflash_fwd" not in text, "a Triton kernel ran"
 
 
 def test_forward_and_triton_backward_lower_for_cuda():
@@ -92,8 +105,9 @@ def test_forward_matches_the_reference_and_the_triton_forward(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", GPU_CASES[:2], ids=str)
-def test_forward_and_backward_match_the_reference(case):
+@pytest.mark.parametrize("backward", ["triton", "mosaic"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_forward_and_backward_match_the_reference(case, backward):
   (q, kc, vc, kb, vb), idx = make_inputs(case, seed=6)
   kw = dict(block_size=case.block_size, window=case.window)
   ct = jax.random.normal(jax.random.PRNGKey(2), q.shape, q.dtype)
@@ -101,8 +115,9 @@ def test_forward_and_backward_match_the_reference(case):
   def fwd_bwd(fn, *x):
     out, vjp = jax.vjp(fn, *x)
     return out, vjp(ct)
-  out, grads = jax.jit(lambda *x: fwd_bwd(lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw),
-                                          *x))(q, kc, vc, kb, vb)
+  out, grads = jax.jit(lambda *x: fwd_bwd(
+      lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward=backward), *x))(
+          q, kc, vc, kb, vb)
   f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
   ref_out, ref = fwd_bwd(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
   _assert_close(out, ref_out, what="out", **TOLERANCES["bfloat16"])
