@@ -1,23 +1,27 @@
-"""DFlash attention forward on Hopper through Pallas Mosaic GPU (TMA loads, wgmma): a prototype.
+"""DFlash attention on Hopper through Pallas Mosaic GPU (TMA loads, wgmma): forward, dQ (+ the
+own blocks' dK/dV) and context dK/dV kernels.
 
-Same contract, padding and index bookkeeping as the Triton kernel (triton.py: every query row's
-visible context range [lo, hi), a query tile's key-tile range, the own-block tile, base-2 scores
-and log-sum-exp), so its outputs (out, lse) feed the Triton backward unchanged. One warpgroup per
-query tile of R = 64 rows (TQ = 64 // G query tokens x the G query heads of one KV head, whole
-blocks): the M of one wgmma. Context K/V tiles stream through `plgpu.emit_pipeline` over the
-tile's own (dynamic) key-tile range, every tile masked by the rows' ranges.
+Same contract, padding and index bookkeeping as the Triton kernels (triton.py: every query row's
+visible context range [lo, hi), a query tile's key-tile range and a key tile's query-tile range,
+the own-block tile, base-2 scores and log-sum-exp), so the forward's outputs (out, lse) also feed
+the Triton backward unchanged. One warpgroup per tile of 64 rows or keys (the M of one wgmma):
+  * forward and dQ: a query tile of R = 64 rows (TQ = 64 // G query tokens x the G query heads of
+    one KV head, whole blocks); its own blocks' keys form one 64-key tile, and context K/V tiles
+    stream through `plgpu.emit_pipeline` over the tile's own (dynamic) key-tile range, every
+    tile masked by the rows' ranges;
+  * dK/dV: a context tile of 64 keys, keys first ([keys, rows]: the contraction over rows sums
+    the G heads), query tiles (q, dO, lse, delta, lo, hi) streamed over its query-tile range.
 
-dflash_attention_mosaic puts it under a custom VJP whose backward is the Triton dQ and dK/dV
-kernels (triton._dflash_bwd), fed the forward's padded output and lse.
+dflash_attention_mosaic puts the forward under a custom VJP whose backward is either these dQ and
+dK/dV kernels (backward="mosaic") or the Triton ones (backward="triton").
 
-Status (2026-12-05): a forward only, written on a CPU machine. It lowers for CUDA (the tests
-export it for 'cuda' on a CPU, which runs Mosaic GPU's layout inference and TMA checks), but it
-has not run on a GPU yet, so nothing selects it: tests/pallas_kernels/test_mosaic_gpu.py's GPU
-test against reference.py comes first. Lane semantics with explicit WGMMA layouts: the
-Warpgroup semantics (which JAX's Mosaic GPU interpreter could run on a CPU) failed layout
-inference on this kernel, and the interpreter supports neither `plgpu.load` nor layout casts.
+Status (2026-12-05): written on a CPU machine, never run on a GPU, so api.py selects none of it.
+On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against reference.py on
+the mask's edge cases (interpret=True: register operands and transposed views go through SMEM
+buffers there, and layouts are left out; the GPU path is otherwise the same code) and lower them
+for CUDA, which runs Mosaic GPU's layout inference and TMA checks. Lane semantics with explicit
+WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels).
 """
-
 from __future__ import annotations
 
 import functools
@@ -36,15 +40,70 @@ ROWS = 64          # query rows of a tile: one warpgroup's wgmma M
 KEYS = 64          # context keys of a tile
 
 
+# Register layouts: the GPU lowering (Lane semantics) needs them spelled out; JAX's Mosaic GPU
+# interpreter (interpret=True, on a CPU) has no layouts, and runs the same kernels without them.
+
+def _iota(shape, dim, interpret):
+  if interpret:
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _vec(ref, axis, interpret):
+  """A [64] vector from SMEM laid out along `axis` of a wgmma tile (0: one value per row)."""
+  if interpret:
+    return ref[...]
+  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+
+
+def _zeros(shape, interpret):
+  z = jnp.zeros(shape, jnp.float32)
+  return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+
+def _mm(lhs, rhs, shape, interpret, *, lhs_array=False, rhs_t=False):
+  """lhs @ rhs (rhs_t: lhs @ rhs^T) -> f32 [shape] by one wgmma. rhs is an SMEM ref, lhs an SMEM
+  ref or (lhs_array) a 16-bit array in registers. The interpreter has neither register operands
+  nor transposed views: there they go through SMEM buffers first."""
+  def run(a, b):
+    def acc_run(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+      return acc_ref[...]
+    return pl.run_scoped(acc_run, plgpu.ACC(shape, jnp.float32))
+  if not interpret:
+    return run(lhs, plgpu.transpose_ref(rhs, (1, 0)) if rhs_t else rhs)
+
+  def via_smem(*bufs):
+    bufs = list(bufs)
+    a, b = lhs, rhs
+    if lhs_array:
+      a = bufs.pop(0)
+      a[...] = lhs
+    if rhs_t:
+      b = bufs.pop(0)
+      b[...] = rhs[...].T
+    return run(a, b)
+  scratch = [plgpu.SMEM(lhs.shape, lhs.dtype)] if lhs_array else []
+  if rhs_t:
+    scratch.append(plgpu.SMEM(rhs.shape[::-1], rhs.dtype))
+  return pl.run_scoped(via_smem, *scratch)
+
+
+def _interpret_params(interpret):
+  if not interpret:
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
 def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_g, *, tq, tk,
-                    groups, kp, k_real, causal, qk_scale, n_kt):
+                    groups, kp, k_real, causal, qk_scale, n_kt, interpret):
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
   d = q_g.shape[-1]
   dtype = q_g.dtype
   rows = pl.ds(i * ROWS, ROWS)
   tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
-  wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-  iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+  iota = lambda shape, dim: _iota(shape, dim, interpret)
 
   def scoped(q_smem, kb_smem, vb_smem, lo_smem, hi_smem, lse_smem, bars):
     plgpu.copy_gmem_to_smem(q_g.at[b, h, rows], q_smem, bars.at[0])
@@ -56,20 +115,13 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
     plgpu.copy_gmem_to_smem(hi_g.at[b, rows], hi_smem, bars.at[4])
     for j in range(5):
       plgpu.barrier_wait(bars.at[j])
-    lo = plgpu.load(lo_smem, (), layout=row_layout)
-    hi = plgpu.load(hi_smem, (), layout=row_layout)
+    lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
     def scores(kt_ref, width):   # kt_ref: keys transposed, [D, width]
-      def run(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, kt_ref)
-        return acc_ref[...]
-      return pl.run_scoped(run, plgpu.ACC((ROWS, width), jnp.float32)) * qk_scale
+      return _mm(q_smem, kt_ref, (ROWS, width), interpret) * qk_scale
 
     def times_v(p, v_ref):
-      def run(acc_ref):
-        plgpu.wgmma(acc_ref, p.astype(dtype), v_ref)
-        return acc_ref[...]
-      return pl.run_scoped(run, plgpu.ACC((ROWS, d), jnp.float32))
+      return _mm(p.astype(dtype), v_ref, (ROWS, d), interpret, lhs_array=True)
 
     # Own-block keys first (every real row sees its block's key 0, so m is finite afterwards).
     r_ids, c_ids = iota((ROWS, ROWS), 0), iota((ROWS, ROWS), 1)
@@ -132,7 +184,8 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
 
 
 def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g, vb_g,
-               dq_g, dkb_g, dvb_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, scale, n_kt):
+               dq_g, dkb_g, dvb_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, scale, n_kt,
+               interpret):
   """dQ of one 64-row query tile, and the gradients of its own blocks' keys (no other tile sees
   them): the Triton dQ kernel's work, one warpgroup per tile, context K/V tiles pipelined."""
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -140,19 +193,12 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   dtype = q_g.dtype
   rows = pl.ds(i * ROWS, ROWS)
   tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
-  wgmma_layout = plgpu.Layout.WGMMA
-  # vectors along a tile's first / second axis (a [64, X] tile's rows / columns)
-  along0, along1 = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
-  iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+  iota = lambda shape, dim: _iota(shape, dim, interpret)
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
   cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
-  T = lambda ref: plgpu.transpose_ref(ref, (1, 0))
 
-  def mm(lhs, rhs, shape):
-    def run(acc_ref):
-      plgpu.wgmma(acc_ref, lhs, rhs)
-      return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+  mm_t = lambda lhs, rhs, shape: _mm(lhs, rhs, shape, interpret, rhs_t=True)   # lhs @ rhs^T
+  mm_a = lambda lhs, rhs, shape: _mm(lhs.astype(dtype), rhs, shape, interpret, lhs_array=True)
 
   def scoped(q_smem, do_smem, kb_smem, vb_smem, lse_smem, delta_smem, lo_smem, hi_smem, bars):
     copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
@@ -166,10 +212,10 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
       plgpu.copy_gmem_to_smem(src, dst, bars.at[j])
     for j in range(len(copies)):
       plgpu.barrier_wait(bars.at[j])
-    lse_c, delta_c = (plgpu.load(r, (), layout=along0) for r in (lse_smem, delta_smem))
-    lse_r, delta_r = (plgpu.load(r, (), layout=along1) for r in (lse_smem, delta_smem))
-    lo = plgpu.load(lo_smem, (), layout=along0)
-    hi = plgpu.load(hi_smem, (), layout=along0)
+    # per row of a rows-first [R, X] tile (_c) and per column of a keys-first [X, R] one (_r)
+    lse_c, delta_c, lo, hi = (_vec(r, 0, interpret)
+                              for r in (lse_smem, delta_smem, lo_smem, hi_smem))
+    lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_smem, delta_smem))
     sq = (ROWS, ROWS)
 
     def block_mask(keys_first):
@@ -179,17 +225,17 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
       return mask & (c_ids % kp <= t % kp) if causal else mask
 
     # Own blocks, rows first: dQ's share.
-    s = jnp.where(block_mask(False), mm(q_smem, T(kb_smem), sq) * qk_scale, tri._NEG)
+    s = jnp.where(block_mask(False), mm_t(q_smem, kb_smem, sq) * qk_scale, tri._NEG)
     p = jnp.exp2(s - rows_of(lse_c, sq))
-    ds = p * (mm(do_smem, T(vb_smem), sq) - rows_of(delta_c, sq))
-    dq = mm(ds.astype(dtype), kb_smem, (ROWS, d))
+    ds = p * (mm_t(do_smem, vb_smem, sq) - rows_of(delta_c, sq))
+    dq = mm_a(ds, kb_smem, (ROWS, d))
     # Own blocks, keys first ([keys, rows]): their dK and dV, the contraction over rows summing
     # the G query heads.
-    sT = jnp.where(block_mask(True), mm(kb_smem, T(q_smem), sq) * qk_scale, tri._NEG)
+    sT = jnp.where(block_mask(True), mm_t(kb_smem, q_smem, sq) * qk_scale, tri._NEG)
     pT = jnp.exp2(sT - cols_of(lse_r, sq))
-    dsT = pT * (mm(vb_smem, T(do_smem), sq) - cols_of(delta_r, sq))
-    dvb = mm(pT.astype(dtype), do_smem, (ROWS, d))
-    dkb = mm(dsT.astype(dtype), q_smem, (ROWS, d)) * scale
+    dsT = pT * (mm_t(vb_smem, do_smem, sq) - cols_of(delta_r, sq))
+    dvb = mm_a(pT, do_smem, (ROWS, d))
+    dkb = mm_a(dsT, q_smem, (ROWS, d)) * scale
     kb_smem[...] = dkb.astype(dtype)
     vb_smem[...] = dvb.astype(dtype)
     plgpu.commit_smem()
@@ -204,10 +250,10 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     def step(idx, k_smem, v_smem, dq):
       j = (kt_lo + idx[0]) * tk + iota(st, 1)
       seen = (j >= rows_of(lo, st)) & (j < rows_of(hi, st))
-      s = jnp.where(seen, mm(q_smem, T(k_smem), st) * qk_scale, tri._NEG)
+      s = jnp.where(seen, mm_t(q_smem, k_smem, st) * qk_scale, tri._NEG)
       p = jnp.exp2(s - rows_of(lse_c, st))
-      ds = p * (mm(do_smem, T(v_smem), st) - rows_of(delta_c, st))
-      return dq + mm(ds.astype(dtype), k_smem, (ROWS, d))
+      ds = p * (mm_t(do_smem, v_smem, st) - rows_of(delta_c, st))
+      return dq + mm_a(ds, k_smem, (ROWS, d))
 
     spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
                            transforms=(tiling, swizzle))
@@ -225,7 +271,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
-                tk, qk_scale, scale, n_qt):
+                tk, qk_scale, scale, n_qt, interpret):
   """dK, dV of one context key tile over the query tiles that may see it (keys first, [TK, R]:
   the contraction over rows sums the G query heads), query tiles pipelined."""
   j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
@@ -233,17 +279,11 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
   dtype = q_g.dtype
   keys = pl.ds(j * tk, tk)
   tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
-  wgmma_layout = plgpu.Layout.WGMMA
-  along1 = wgmma_layout.reduce(0)      # vectors along a [TK, R] tile's second axis (query rows)
-  T = lambda ref: plgpu.transpose_ref(ref, (1, 0))
   st = (tk, ROWS)
   cols_of = lambda x: lax.broadcast_in_dim(x, st, [1])
 
-  def mm(lhs, rhs, shape):
-    def run(acc_ref):
-      plgpu.wgmma(acc_ref, lhs, rhs)
-      return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+  mm_t = lambda lhs, rhs, shape: _mm(lhs, rhs, shape, interpret, rhs_t=True)   # lhs @ rhs^T
+  mm_a = lambda lhs, rhs, shape: _mm(lhs.astype(dtype), rhs, shape, interpret, lhs_array=True)
 
   def scoped(k_smem, v_smem, bars):
     plgpu.copy_gmem_to_smem(kc_g.at[b, h, keys], k_smem, bars.at[0])
@@ -252,23 +292,24 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
     plgpu.barrier_wait(bars.at[1])
     qa = jnp.minimum(ranges_g[b, j, 0], n_qt - 1)
     n = jnp.maximum(ranges_g[b, j, 3] - qa, 1)
-    key_ids = j * tk + plgpu.broadcasted_iota(jnp.int32, st, 0, layout=wgmma_layout)
+    key_ids = j * tk + _iota(st, 0, interpret)
 
     def step(idx, q_smem, do_smem, lse_smem, delta_smem, lo_smem, hi_smem, carry):
       dk, dv = carry
-      lse, delta, lo, hi = (plgpu.load(r, (), layout=along1)
+      # per column of the keys-first [TK, R] tile (query rows)
+      lse, delta, lo, hi = (_vec(r, 1, interpret)
                             for r in (lse_smem, delta_smem, lo_smem, hi_smem))
       seen = (key_ids >= cols_of(lo)) & (key_ids < cols_of(hi))
-      sT = jnp.where(seen, mm(k_smem, T(q_smem), st) * qk_scale, tri._NEG)
+      sT = jnp.where(seen, mm_t(k_smem, q_smem, st) * qk_scale, tri._NEG)
       pT = jnp.exp2(sT - cols_of(lse))
-      dv = dv + mm(pT.astype(dtype), do_smem, (tk, d))
-      dsT = pT * (mm(v_smem, T(do_smem), st) - cols_of(delta))
-      return dk + mm(dsT.astype(dtype), q_smem, (tk, d)), dv
+      dv = dv + mm_a(pT, do_smem, (tk, d))
+      dsT = pT * (mm_t(v_smem, do_smem, st) - cols_of(delta))
+      return dk + mm_a(dsT, q_smem, (tk, d)), dv
 
     tile = plgpu.BlockSpec(block_shape=(ROWS, d), index_map=lambda t: (qa + t, 0),
                            transforms=(tiling, swizzle))
     vec = plgpu.BlockSpec(block_shape=(ROWS,), index_map=lambda t: (qa + t,))
-    zeros = plgpu.layout_cast(jnp.zeros((tk, d), jnp.float32), wgmma_layout)
+    zeros = _zeros((tk, d), interpret)
     dk, dv = plgpu.emit_pipeline(step, grid=(n,), in_specs=[tile, tile, vec, vec, vec, vec],
                                  max_concurrent_steps=2, init_carry=(zeros, zeros))(
                                      q_g.at[b, h], do_g.at[b, h], lse_g.at[b, h],
@@ -367,11 +408,12 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
       lambda *refs: _forward_kernel(
           *refs, tq=tq, tk=KEYS, groups=G, kp=plan.Kp, k_real=st.block_size,
           causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
-          n_kt=plan.Sp // KEYS),
+          n_kt=plan.Sp // KEYS, interpret=st.interpret),
       out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
                 jax.ShapeDtypeStruct((B, Hkv, q_rows.shape[2]), jnp.float32)),
       grid=(q_rows.shape[2] // ROWS, Hkv, B), grid_names=("q", "h", "b"),
-      compiler_params=plgpu.CompilerParams(approx_math=True))
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params(st.interpret))
   o_rows, lse = kernel(geo.ranges, geo.lo_r, geo.hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
   out_p = _from_rows(o_rows, plan, G)
   return tri._unpad_blocks(out_p, plan), out_p, lse
@@ -395,22 +437,23 @@ def _backward(st, res, dout):
   kb_h, vb_h = (_pad_own_keys(_heads_first(tri._pad_blocks(x, plan)), plan, tq) for x in (kb, vb))
   Qp, n_rows, n_kt = plan.Np * plan.Kp, q_rows.shape[2], plan.Sp // KEYS
   qk_scale = st.scale * math.log2(math.e)
-  params = plgpu.CompilerParams(approx_math=True)
+  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=_interpret_params(st.interpret))
   blk = jax.ShapeDtypeStruct((B, Hkv, Qp, D), q.dtype)
   dq_rows, dkb, dvb = plgpu.kernel(
       lambda *refs: _dq_kernel(
           *refs, tq=tq, tk=KEYS, groups=G, kp=plan.Kp, k_real=st.block_size,
-          causal=st.window is not None, qk_scale=qk_scale, scale=st.scale, n_kt=n_kt),
+          causal=st.window is not None, qk_scale=qk_scale, scale=st.scale, n_kt=n_kt,
+          interpret=st.interpret),
       out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype), blk, blk),
-      grid=(n_rows // ROWS, Hkv, B), grid_names=("q", "h", "b"), compiler_params=params)(
+      grid=(n_rows // ROWS, Hkv, B), grid_names=("q", "h", "b"), **params)(
           geo.ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
   k_ranges = tri._k_tile_ranges(geo.ranges, geo.any_row, nkt=n_kt)
   ctx = jax.ShapeDtypeStruct(kc_h.shape, q.dtype)
   dkc, dvc = plgpu.kernel(
       lambda *refs: _dkv_kernel(*refs, tk=KEYS, qk_scale=qk_scale, scale=st.scale,
-                                n_qt=n_rows // ROWS),
-      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"),
-      compiler_params=params)(
+                                n_qt=n_rows // ROWS, interpret=st.interpret),
+      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"), **params)(
           k_ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h)
   dq = tri._unpad_blocks(_from_rows(dq_rows, plan, G), plan)
   S = plan.S
@@ -419,20 +462,30 @@ def _backward(st, res, dout):
           None, None, None)
 
 
-def _static(q, block_size, window, scale, config):
+# Interpreted (CPU), the Triton kernels' tiles are those of the Mosaic GPU ones, so that the plan's
+# padding (triton._plan) fits both: keys a multiple of 64, queries of a 64-row tile.
+_INTERPRET = tri.config_lib.DFlashConfig(fwd_rows=ROWS, fwd_keys=KEYS, dq_rows=ROWS,
+                                         dq_keys=KEYS, dkv_rows=ROWS, dkv_keys=KEYS)
+
+
+def _static(q, block_size, window, scale, config, interpret):
   D = q.shape[-1]
+  if interpret and config is None:
+    config = _INTERPRET
   return tri.make_static(block_size=block_size, window=window,
                          scale=D ** -0.5 if scale is None else scale, head_dim=D, dtype=q.dtype,
-                         config=config)
+                         config=config, interpret=interpret)
 
 
 def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block_size: int,
-                          window: int | None = None, scale: float | None = None, config=None):
+                          window: int | None = None, scale: float | None = None, config=None,
+                          interpret: bool = False):
   """-> (out [B, N*K, Hq, D], lse base 2 [B, Hkv, Qp * G]) as the Triton forward's with the same
   config (default: the device's preset). Shapes as api.dflash_attention's; bf16 or f16,
-  G = Hq // Hkv dividing 64 into whole padded blocks, head size a multiple of 64."""
+  G = Hq // Hkv dividing 64 into whole padded blocks, head size a multiple of 64. interpret:
+  JAX's Mosaic GPU interpreter on a CPU (slow; for tests)."""
   _check(q, kc, block_size)
-  st = _static(q, block_size, window, scale, config)
+  st = _static(q, block_size, window, scale, config, interpret)
   out, _, lse = _forward(q, kc, vc, kb, vb, anchors.astype(jnp.int32),
                          doc_start.astype(jnp.int32), valid.astype(jnp.bool_), st)
   return out, lse
@@ -457,15 +510,17 @@ _attention_mgpu.defvjp(_attention_mgpu_fwd, _backward)
 
 def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
                             block_size: int, window: int | None = None,
-                            scale: float | None = None, config=None, backward: str = "triton"):
+                            scale: float | None = None, config=None, backward: str = "triton",
+                            interpret: bool = False):
   """DFlash attention (api.dflash_attention's contract) with the Mosaic GPU forward.
 
   backward: "triton" (the Triton dQ and dK/dV kernels; config: their tiles, default the
-  device's preset) or "mosaic" (this module's dQ and dK/dV kernels)."""
+  device's preset) or "mosaic" (this module's dQ and dK/dV kernels). interpret: every kernel
+  interpreted on a CPU (JAX's Mosaic GPU and Pallas-Triton interpreters; slow, for tests)."""
   _check(q, k_ctx, block_size)
   if backward not in ("triton", "mosaic"):
     raise ValueError(f"backward={backward!r} must be 'triton' or 'mosaic'")
-  st = _static(q, block_size, window, scale, config)
+  st = _static(q, block_size, window, scale, config, interpret)
   fn = _attention if backward == "triton" else _attention_mgpu
   return fn(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32),
             doc_start.astype(jnp.int32), block_valid.astype(jnp.bool_), st)

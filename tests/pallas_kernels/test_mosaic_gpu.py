@@ -1,7 +1,10 @@
-"""The Mosaic GPU forward prototype (pallas_kernels/dflash_attention/mosaic_gpu.py).
+"""The Mosaic GPU kernels (pallas_kernels/dflash_attention/mosaic_gpu.py).
 
-On a CPU: it lowers for CUDA (Mosaic GPU's layout inference and TMA shape checks run there), also
-under the custom VJP with the Triton backward, and refuses the shapes it does not take. On a GPU
+On a CPU: under JAX's Mosaic GPU interpreter, the forward, the dQ and the dK/dV kernels equal the
+reference on the mask's edge cases (anchor 0, equal and overlapping anchors, the row's end, window
+1, document boundaries, a row without a valid block) for each group size a tile takes (G = 1, 2,
+4); they lower for CUDA (Mosaic GPU's layout inference and TMA shape checks run there), also under
+the custom VJP with the Triton backward, and refuse the shapes they do not take. On a GPU
 (pytest -m gpu): its out and base-2 lse equal the Triton forward's and the reference's on the
 suite's cases that fit it (blocks of 16, bf16), and so do the gradients through the Triton
 backward and through the Mosaic GPU dQ and dK/dV kernels."""
@@ -71,6 +74,60 @@ def test_shapes_it_does_not_take_are_refused(block_size, head_dim, Hq, Hkv, dtyp
   x = [jnp.zeros(a.shape, a.dtype) for a in _args(block_size, head_dim, Hq, Hkv, dtype=dtype)]
   with pytest.raises(NotImplementedError):
     mg.dflash_forward_mosaic(*x, block_size=block_size)
+
+
+# Small: the interpreter simulates every warpgroup, barrier and copy on the CPU (10-25 s a case).
+INTERPRET_CASES = [
+    Case(window=24, hq=4, hkv=4, head_dim=64, dtype="bfloat16", blocks=12, seq_len=200,
+         anchors="edges", docs=4),                                   # G = 1
+    Case(window=1, hq=4, hkv=2, head_dim=64, dtype="bfloat16", blocks=8, seq_len=150,
+         anchors="edges", docs=1),                                   # G = 2, window 1
+    Case(window=256, hq=8, hkv=2, head_dim=64, dtype="bfloat16", batch=2, blocks=16,
+         seq_len=300, docs=3, invalid_row=True),                     # G = 4
+    Case(hq=8, hkv=2, head_dim=128, dtype="bfloat16", blocks=8, seq_len=200, docs=2),  # full
+]
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=str)
+def test_interpreted_kernels_match_the_reference(case):
+  """Forward (out and base-2 lse) and all five gradients through the Mosaic GPU dQ and dK/dV
+  kernels, interpreted on the CPU, against reference.py in f32; the lse also against the
+  Triton forward's (the Triton backward reads it)."""
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=7)
+  kw = dict(block_size=case.block_size, window=case.window)
+  ct = jax.random.normal(jax.random.PRNGKey(3), q.shape, jnp.float32)
+
+  def fwd_bwd(fn, *x):
+    out, vjp = jax.vjp(fn, *x)
+    return out, vjp(ct.astype(out.dtype))
+  out, grads = fwd_bwd(lambda *y: mg.dflash_attention_mosaic(
+      *y, *idx, **kw, backward="mosaic", interpret=True), q, kc, vc, kb, vb)
+  f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
+  ref_out, ref = fwd_bwd(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
+  _assert_close(out, ref_out, what="out", **TOLERANCES["bfloat16"])
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref):
+    _assert_close(a, b, what=name, **TOLERANCES["bfloat16"])
+  _, lse = mg.dflash_forward_mosaic(q, kc, vc, kb, vb, *idx, **kw, interpret=True)
+  st = mg._static(q, case.block_size, case.window, None, None, True)
+  _, _, tri_lse = dflash_triton._forward(q, kc, vc, kb, vb, *idx, st)
+  real = np.asarray(tri_lse) < 1e29
+  np.testing.assert_allclose(np.asarray(lse)[real], np.asarray(tri_lse)[real], atol=2e-2, rtol=1e-3)
+  assert np.all(np.asarray(lse)[~real] > 1e29), "rows that see nothing must keep the empty lse"
+
+
+def test_interpreted_forward_under_the_triton_backward():
+  """backward="triton": the Mosaic GPU forward's padded output and lse feed the Triton dQ and
+  dK/dV kernels (both interpreted) and give the reference's gradients."""
+  case = INTERPRET_CASES[2]
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=8)
+  kw = dict(block_size=case.block_size, window=case.window)
+  ct = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.float32)
+  fn = lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward="triton", interpret=True)
+  grads = jax.vjp(fn, q, kc, vc, kb, vb)[1](ct.astype(q.dtype))
+  f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
+  ref = jax.vjp(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)[1](ct)
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref):
+    _assert_close(a, b, what=name, **TOLERANCES["bfloat16"])
 
 
 GPU_CASES = [
