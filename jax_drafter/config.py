@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_IMPLEMENTATIONS = ("triton", "mosaic", "xla", "reference")  # pallas_kernels' api
 REMAT_POLICIES = ("none", "layer", "full", "offload")
 DTYPES = ("float32", "bfloat16")
 
@@ -384,7 +385,9 @@ class TrainSection:
   compute_dtype: str = "float32"    # activations/matmuls; master weights are always float32.
                                     # "auto": bfloat16 where the drafter's devices multiply it
                                     # natively (GPUs; CPUs with AMX or AVX512-BF16), else float32
-  attention: str | None = None      # dflash_attention implementation (None = best available)
+  attention: str | None = None      # dflash_attention implementation: None = best available
+                                    # (Pallas-Triton on a GPU, xla on a CPU), triton, mosaic (the
+                                    # Mosaic GPU kernels, Hopper; not measured yet), xla, reference
   seed: int = 0
   log_every: int = 10
   checkpoint_every: int = 100
@@ -422,6 +425,9 @@ class TrainSection:
         raise ConfigError(f"train.devices lists a device twice: {list(self.devices)}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"train.remat={self.remat!r} must be one of {REMAT_POLICIES}")
+    if self.attention is not None and self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ConfigError(f"train.attention={self.attention!r} must be null (the best available) or "
+                        f"one of {ATTENTION_IMPLEMENTATIONS}")
     if self.compute_dtype not in DTYPES + ("auto",):
       raise ConfigError(f"train.compute_dtype={self.compute_dtype!r} must be one of {DTYPES} or "
                         "'auto' (bfloat16 on a GPU or a CPU with bfloat16 matmul instructions)")

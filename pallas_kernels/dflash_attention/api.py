@@ -5,6 +5,9 @@ implementation:
   "reference"  reference.py in f32 at HIGHEST precision (the oracle; slow, memory O(Q*S)).
   "xla"        the same dense-mask math, matmuls in the input dtype, f32 softmax statistics.
   "triton"     the Pallas-Triton kernel (triton.py); with interpret=True it runs on CPU.
+  "mosaic"     the Pallas Mosaic GPU kernels for Hopper (mosaic_gpu.py: forward, dQ, dK/dV; bf16 /
+               f16, head sizes up to 128); with interpret=True JAX's Mosaic GPU interpreter runs
+               them on CPU. Chosen only by name until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import numpy as np
 
 from pallas_kernels.dflash_attention import reference
 
-IMPLEMENTATIONS = ("reference", "xla", "triton")
+IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic")
 log = logging.getLogger(__name__)
 _warned: set[str] = set()   # fallback reasons already reported (once per process each)
 
@@ -96,6 +99,13 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
     raise ValueError(f"implementation={impl!r} is not one of {IMPLEMENTATIONS}")
   anchors = anchors.astype(jnp.int32)
   doc_start = doc_start.astype(jnp.int32)
+  if impl == "mosaic":
+    from pallas_kernels.dflash_attention import mosaic_gpu
+    if backward not in (None, "mosaic"):
+      raise ValueError(f"backward={backward!r}: the mosaic implementation has its own backward")
+    return mosaic_gpu.dflash_attention_mosaic(
+        q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
+        window=window, scale=scale, backward="mosaic", interpret=interpret)
   if impl == "triton":
     try:
       from pallas_kernels.dflash_attention import triton

@@ -508,6 +508,19 @@ def _attention_mgpu_fwd(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
 _attention_mgpu.defvjp(_attention_mgpu_fwd, _backward)
 
 
+def _fit_groups(Hq: int, Hkv: int, block_size: int) -> int:
+  """-> r: each KV head repeated r times so that a 64-row tile holds whole blocks of the
+  G // r query heads each repeat serves (G = 3, SmolLM2's 9 / 3 heads: r = 3; G = 8 with blocks
+  of 16: r = 2). Raises NotImplementedError where no repeat fits (a block longer than 64)."""
+  if Hkv == 0 or Hq % Hkv:
+    raise ValueError(f"query heads {Hq} must be a multiple of the KV heads {Hkv}")
+  G, Kp = Hq // Hkv, tri._next_pow2(block_size)
+  for g in range(G, 0, -1):
+    if G % g == 0 and ROWS % g == 0 and (ROWS // g) % Kp == 0:
+      return G // g
+  raise NotImplementedError(f"blocks of {block_size}: a tile of {ROWS} rows cannot hold one")
+
+
 def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
                             block_size: int, window: int | None = None,
                             scale: float | None = None, config=None, backward: str = "triton",
@@ -516,11 +529,32 @@ def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, b
 
   backward: "triton" (the Triton dQ and dK/dV kernels; config: their tiles, default the
   device's preset) or "mosaic" (this module's dQ and dK/dV kernels). interpret: every kernel
-  interpreted on a CPU (JAX's Mosaic GPU and Pallas-Triton interpreters; slow, for tests)."""
-  _check(q, k_ctx, block_size)
+  interpreted on a CPU (JAX's Mosaic GPU and Pallas-Triton interpreters; slow, for tests).
+  As the Triton kernel's entry point: KV heads are repeated where a tile could not hold whole
+  blocks of a KV head's query heads (the repeat's VJP sums the partial dK/dV, so gradients are
+  exact), and head sizes below 64 or not a power of two are zero-padded (the softmax scale stays
+  that of the real size). bf16 / f16 inputs, head sizes up to 128, blocks up to 64.
+  Raises NotImplementedError for what it does not take (the caller may fall back)."""
   if backward not in ("triton", "mosaic"):
     raise ValueError(f"backward={backward!r} must be 'triton' or 'mosaic'")
-  st = _static(q, block_size, window, scale, config, interpret)
+  B, Q, Hq, D = q.shape
+  if len({x.dtype for x in (q, k_ctx, v_ctx, k_blk, v_blk)}) != 1:
+    raise NotImplementedError("q, k_ctx, v_ctx, k_blk, v_blk must share one dtype")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise NotImplementedError(f"{q.dtype} inputs: the Mosaic GPU kernels take bf16 or f16")
+  Dp = max(KEYS, tri._next_pow2(D))
+  if Dp > 128:
+    raise NotImplementedError(f"head size {D}: the Mosaic GPU kernels take up to 128")
+  r = _fit_groups(Hq, k_ctx.shape[2], block_size)
+  kv = (k_ctx, v_ctx, k_blk, v_blk)
+  if r > 1:                            # KV head j // r serves query heads [j * g, (j + 1) * g)
+    kv = tuple(jnp.repeat(x, r, axis=2) for x in kv)
+  if Dp != D:
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
+    q, kv = pad(q), tuple(pad(x) for x in kv)
+  _check(q, kv[0], block_size)
+  st = _static(q, block_size, window, D ** -0.5 if scale is None else scale, config, interpret)
   fn = _attention if backward == "triton" else _attention_mgpu
-  return fn(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32),
-            doc_start.astype(jnp.int32), block_valid.astype(jnp.bool_), st)
+  out = fn(q, *kv, anchors.astype(jnp.int32), doc_start.astype(jnp.int32),
+           block_valid.astype(jnp.bool_), st)
+  return out[..., :D] if Dp != D else out

@@ -77,6 +77,15 @@ def test_unknown_compute_dtype_is_a_config_error():
     build_config({"train": {"compute_dtype": "float16"}})
 
 
+def test_attention_implementation_is_checked_against_the_kernels_list():
+  from pallas_kernels.dflash_attention import api
+  assert set(config_lib.ATTENTION_IMPLEMENTATIONS) == set(api.IMPLEMENTATIONS)
+  for name in api.IMPLEMENTATIONS:
+    assert config_lib.TrainSection(attention=name).attention == name
+  with pytest.raises(ConfigError, match="train.attention='flash'"):
+    config_lib.TrainSection(attention="flash")
+
+
 def test_negative_feature_cache_sizes_are_config_errors():
   for key in ("feature_cache_gib", "feature_cache_host_gib"):
     with pytest.raises(ConfigError, match=f"target.{key}=-1 must be >= 0"):

@@ -40,7 +40,8 @@ def test_forward_lowers_for_cuda(head_dim, window, Hq, Hkv):
 
 
 @pytest.mark.parametrize("head_dim,window,Hq,Hkv", [
-    (128, 2048, 32, 8), (64, None, 8, 2), (128, None, 4, 2), (64, 1, 4, 4)])
+    (128, 2048, 32, 8), (64, None, 8, 2), (128, None, 4, 2), (64, 1, 4, 4),
+    (64, None, 9, 3)])      # the GPU recipe's drafter (SmolLM2's heads): KV heads repeated
 def test_mosaic_backward_lowers_for_cuda(head_dim, window, Hq, Hkv):
   """backward="mosaic": the forward, dQ and dK/dV are all Mosaic GPU kernels; no Triton one."""
   def loss(*x):
@@ -113,6 +114,53 @@ def test_interpreted_kernels_match_the_reference(case):
   real = np.asarray(tri_lse) < 1e29
   np.testing.assert_allclose(np.asarray(lse)[real], np.asarray(tri_lse)[real], atol=2e-2, rtol=1e-3)
   assert np.all(np.asarray(lse)[~real] > 1e29), "rows that see nothing must keep the empty lse"
+
+
+@pytest.mark.parametrize("case", [
+    # G = 6 = 2 x 3: each KV head repeated 3 times, a tile holds 2 heads x 2 blocks; head size
+    # 80 zero-padded to 128
+    Case(window=40, hq=6, hkv=1, head_dim=80, dtype="bfloat16", blocks=6, seq_len=120,
+         anchors="edges", docs=2),
+], ids=str)
+def test_interpreted_entry_point_repeats_kv_heads_and_pads_head_size(case):
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=9)
+  kw = dict(block_size=case.block_size, window=case.window)
+  ct = jax.random.normal(jax.random.PRNGKey(5), q.shape, jnp.float32)
+  fn = lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward="mosaic", interpret=True)
+  out, vjp = jax.vjp(fn, q, kc, vc, kb, vb)
+  f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
+  ref_out, ref_vjp = jax.vjp(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
+  assert out.shape == q.shape
+  _assert_close(out, ref_out, what="out", **TOLERANCES["bfloat16"])
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), vjp(ct.astype(q.dtype)),
+                        ref_vjp(ct)):
+    _assert_close(a, b, what=name, **TOLERANCES["bfloat16"])
+
+
+@pytest.mark.parametrize("block_size,head_dim,dtype", [
+    (128, 64, jnp.bfloat16),      # a block longer than a 64-row tile
+    (16, 256, jnp.bfloat16),      # head size above 128 (shared memory)
+    (16, 64, jnp.float32)])
+def test_entry_point_refuses_what_it_does_not_take(block_size, head_dim, dtype):
+  x = [jnp.zeros(a.shape, a.dtype) for a in _args(block_size, head_dim, 4, 2, N=2, dtype=dtype)]
+  with pytest.raises(NotImplementedError):
+    mg.dflash_attention_mosaic(*x, block_size=block_size)
+
+
+def test_api_runs_the_mosaic_implementation_by_name():
+  """api.dflash_attention(implementation="mosaic", interpret=True) is these kernels: the same
+  output as the xla implementation; a Triton backward cannot be asked of it."""
+  from pallas_kernels.dflash_attention import api
+  case = INTERPRET_CASES[1]
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=10)
+  kw = dict(block_size=case.block_size, window=case.window)
+  got = api.dflash_attention(q, kc, vc, kb, vb, *idx, **kw, implementation="mosaic",
+                             interpret=True)
+  want = api.dflash_attention(q, kc, vc, kb, vb, *idx, **kw, implementation="xla")
+  _assert_close(got, want, what="out", **TOLERANCES["bfloat16"])
+  with pytest.raises(ValueError, match="own backward"):
+    api.dflash_attention(q, kc, vc, kb, vb, *idx, **kw, implementation="mosaic",
+                         backward="triton", interpret=True)
 
 
 def test_interpreted_forward_under_the_triton_backward():
