@@ -5,6 +5,8 @@
 # Run from the repo root on a GPU machine that has jax/flax/optax/orbax/torch/transformers:
 #   bash scripts/h200_checks.sh kernel          # pytest -m gpu for the Pallas kernel + kernel bench
 #   bash scripts/h200_checks.sh kernel-tests kernel-smollm2   # the tests, the SmolLM2-shaped bench
+#   bash scripts/h200_checks.sh mosaic          # the Mosaic GPU kernels: GPU tests, then the kernel
+#                                               # bench (27B and SmolLM2 shapes) against Triton
 #   bash scripts/h200_checks.sh parity          # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
 #   bash scripts/h200_checks.sh memory          # predicted vs measured peak, 27B 8k/64k, budget 131k
 #   bash scripts/h200_checks.sh bench           # full step JAX vs both PyTorch rows, 27b-8k
@@ -28,7 +30,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LIMIT=${LIMIT:-570}    # seconds for a whole part
-[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 parity memory bench bench-all" \
+[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic parity memory bench bench-all" \
                       "bench-8k bench-remat bench-8b bench-32k bench-64k cublas"; exit 2; }
 
 part_cmds() {
@@ -44,6 +46,14 @@ part_cmds() {
       run timeout 240 python3 -m pytest tests/pallas_kernels -m gpu -q -rf -p no:cacheprovider $xd ;;
     kernel-bench)   # alone on the machine: CPU load from other jobs slows the launch-bound rows
       run timeout 300 python3 -m bridge.twin.bench_attention --budget-s 200 ;;
+    mosaic)         # the Mosaic GPU kernels (mosaic_gpu.py): out and gradients against the
+                    # reference, then timed beside the Triton kernel after matching its outputs
+      run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
+          -p no:cacheprovider
+      run timeout 150 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+          --shapes 8192x1024,65536x2048
+      run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+          --heads 9/3 --head-dim 64 --shapes 2048x512 --layers full ;;
     kernel-smollm2) # the SmolLM2 recipe's attention (9/3 heads, head size 64, a 2048-token row
                     # with 512 anchors): the kernel against the dense XLA path it used to take
       run timeout 200 python3 -m pallas_kernels.dflash_attention.bench --heads 9/3 --head-dim 64 \

@@ -153,7 +153,7 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
                       Row("mgpu-dense", "nomask", f"{S}x{N}"), reps)
 
 
-def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton"):
+def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", interpret=False):
   """Our Mosaic GPU kernels (mosaic_gpu.py): the forward with the Triton backward
   ("mosaic-fwd") or with the Mosaic GPU dQ and dK/dV kernels ("mosaic"), timed only after its
   output and (for "mosaic") every gradient matched the Triton kernel's within bf16 tolerance."""
@@ -161,8 +161,9 @@ def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton"):
   anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
   kw = dict(block_size=BLOCK, window=window)
   attn = lambda *x: mosaic_gpu.dflash_attention_mosaic(*x, anchors, doc_start, valid, **kw,
-                                                       backward=backward)
-  tri = lambda *x: dflash_triton.dflash_attention_triton(*x, anchors, doc_start, valid, **kw)
+                                                       backward=backward, interpret=interpret)
+  tri = lambda *x: dflash_triton.dflash_attention_triton(*x, anchors, doc_start, valid, **kw,
+                                                         interpret=interpret)
   row = Row("mosaic-fwd" if backward == "triton" else "mosaic",
             "full" if window is None else f"w{window}", shape)
   ct = jax.random.normal(jax.random.PRNGKey(1), xs[0].shape, xs[0].dtype)
@@ -318,7 +319,7 @@ def main(argv=None, torch_rows=None):
       if args.mosaic:
         for backward in ("triton", "mosaic"):
           emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
-                            reps=args.reps, backward=backward))
+                            reps=args.reps, backward=backward, interpret=args.interpret))
       if args.parts:
         ms = kernel_parts(xs, idx, window=window, flops_fwd=flops, reps=args.reps, cfg=cfg,
                           interpret=args.interpret)

@@ -1,4 +1,5 @@
-"""The kernel benchmark script runs end to end in interpret mode (CPU), --parts included."""
+"""The kernel benchmark script runs end to end in interpret mode (CPU), --parts and --mosaic
+included."""
 
 import re
 
@@ -11,3 +12,16 @@ def test_bench_times_the_kernel_and_each_of_its_parts(capsys):
   assert re.search(r"^pallas\s+w2048\s+64x4\s+[\d.]+\s+\d+\s+[\d.]+", out, re.M), out
   parts = re.search(r"kernels alone: fwd ([\d.]+) ms, dq ([\d.]+) ms, dkv ([\d.]+) ms", out)
   assert parts and all(float(v) > 0 for v in parts.groups()), out
+
+
+def test_bench_checks_then_times_the_mosaic_kernels(capsys):
+  """--mosaic: both Mosaic GPU rows (its forward under the Triton backward, and all-Mosaic) are
+  compared with the Triton kernel's output and gradients, then timed (interpreted here)."""
+  bench.main(["--shapes", "64x4", "--layers", "sliding", "--interpret", "--mosaic", "--reps", "1",
+              "--heads", "4/1", "--head-dim", "64"])
+  out = capsys.readouterr().out
+  for name in ("mosaic-fwd", "mosaic"):
+    row = re.search(rf"^{name}\s+w2048\s+64x4\s+[\d.]+\s+\d+\s+[\d.]+.*max \|x - triton x\|:(.*)$",
+                    out, re.M)
+    assert row, out
+  assert "dk_ctx" in row.group(1) and "WRONG" not in out, out
