@@ -89,6 +89,12 @@ def _mm(lhs, rhs, shape, interpret, *, lhs_array=False, rhs_t=False):
   return pl.run_scoped(via_smem, *scratch)
 
 
+def _mask_edge_tile(s, interior, seen):
+  """Scores s of one context tile: unchanged on an interior tile (every real row sees all of its
+  keys: no mask is built), else masked by seen() (elementwise: may this row see this key)."""
+  return lax.cond(interior, lambda x: x, lambda x: jnp.where(seen(), x, tri._NEG), s)
+
+
 def _interpret_params(interpret):
   if not interpret:
     return None
@@ -140,13 +146,17 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
     kt_lo = jnp.minimum(ranges_g[b, i, 0], n_kt - 1)
     n = jnp.maximum(ranges_g[b, i, 3] - kt_lo, 1)
 
+    int_lo, int_hi = ranges_g[b, i, 1], ranges_g[b, i, 2]
+
     def step(idx, k_smem, v_smem, carry):
       acc, m, l = carry
-      start = (kt_lo + idx[0]) * tk
-      j = start + iota((ROWS, tk), 1)
-      seen = (j >= lax.broadcast_in_dim(lo, j.shape, [0])) & (
-          j < lax.broadcast_in_dim(hi, j.shape, [0]))
-      s = jnp.where(seen, scores(k_smem, tk), tri._NEG)
+      kt = kt_lo + idx[0]
+
+      def seen():
+        j = kt * tk + iota((ROWS, tk), 1)
+        return (j >= lax.broadcast_in_dim(lo, j.shape, [0])) & (
+            j < lax.broadcast_in_dim(hi, j.shape, [0]))
+      s = _mask_edge_tile(scores(k_smem, tk), (kt >= int_lo) & (kt < int_hi), seen)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -247,10 +257,16 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     n = jnp.maximum(ranges_g[b, i, 3] - kt_lo, 1)
     st = (ROWS, tk)
 
+    int_lo, int_hi = ranges_g[b, i, 1], ranges_g[b, i, 2]
+
     def step(idx, k_smem, v_smem, dq):
-      j = (kt_lo + idx[0]) * tk + iota(st, 1)
-      seen = (j >= rows_of(lo, st)) & (j < rows_of(hi, st))
-      s = jnp.where(seen, mm_t(q_smem, k_smem, st) * qk_scale, tri._NEG)
+      kt = kt_lo + idx[0]
+
+      def seen():
+        j = kt * tk + iota(st, 1)
+        return (j >= rows_of(lo, st)) & (j < rows_of(hi, st))
+      s = _mask_edge_tile(mm_t(q_smem, k_smem, st) * qk_scale, (kt >= int_lo) & (kt < int_hi),
+                          seen)
       p = jnp.exp2(s - rows_of(lse_c, st))
       ds = p * (mm_t(do_smem, v_smem, st) - rows_of(delta_c, st))
       return dq + mm_a(ds, k_smem, (ROWS, d))
@@ -294,13 +310,18 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
     n = jnp.maximum(ranges_g[b, j, 3] - qa, 1)
     key_ids = j * tk + _iota(st, 0, interpret)
 
+    ia, ib = ranges_g[b, j, 1], ranges_g[b, j, 2]
+
     def step(idx, q_smem, do_smem, lse_smem, delta_smem, lo_smem, hi_smem, carry):
       dk, dv = carry
+      t = qa + idx[0]
       # per column of the keys-first [TK, R] tile (query rows)
-      lse, delta, lo, hi = (_vec(r, 1, interpret)
-                            for r in (lse_smem, delta_smem, lo_smem, hi_smem))
-      seen = (key_ids >= cols_of(lo)) & (key_ids < cols_of(hi))
-      sT = jnp.where(seen, mm_t(k_smem, q_smem, st) * qk_scale, tri._NEG)
+      lse, delta = (_vec(r, 1, interpret) for r in (lse_smem, delta_smem))
+
+      def seen():
+        lo, hi = (_vec(r, 1, interpret) for r in (lo_smem, hi_smem))
+        return (key_ids >= cols_of(lo)) & (key_ids < cols_of(hi))
+      sT = _mask_edge_tile(mm_t(k_smem, q_smem, st) * qk_scale, (t >= ia) & (t < ib), seen)
       pT = jnp.exp2(sT - cols_of(lse))
       dv = dv + mm_a(pT, do_smem, (tk, d))
       dsT = pT * (mm_t(v_smem, do_smem, st) - cols_of(delta))
