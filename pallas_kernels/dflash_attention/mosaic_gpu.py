@@ -111,15 +111,14 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
   iota = lambda shape, dim: _iota(shape, dim, interpret)
 
-  def scoped(q_smem, kb_smem, vb_smem, lo_smem, hi_smem, lse_smem, bars):
+  # SMEM in two nested phases, so that the own blocks' tiles (released after the first) and the
+  # pipeline's K/V stages (allocated by the second) share space: 80 KB at D = 128 with 2 stages,
+  # two tiles' CTAs per SM.
+  def scoped(q_smem, lo_smem, hi_smem, lse_smem, bars):
     plgpu.copy_gmem_to_smem(q_g.at[b, h, rows], q_smem, bars.at[0])
-    # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out; the
-    # arrays are padded by 64 - tq): wgmma takes 64 keys where layout inference fails on 16.
-    plgpu.copy_gmem_to_smem(kb_g.at[b, h, :, pl.ds(i * tq, ROWS)], kb_smem, bars.at[1])
-    plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, bars.at[2])
-    plgpu.copy_gmem_to_smem(lo_g.at[b, rows], lo_smem, bars.at[3])
-    plgpu.copy_gmem_to_smem(hi_g.at[b, rows], hi_smem, bars.at[4])
-    for j in range(5):
+    plgpu.copy_gmem_to_smem(lo_g.at[b, rows], lo_smem, bars.at[1])
+    plgpu.copy_gmem_to_smem(hi_g.at[b, rows], hi_smem, bars.at[2])
+    for j in range(3):
       plgpu.barrier_wait(bars.at[j])
     lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
@@ -129,23 +128,34 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
     def times_v(p, v_ref):
       return _mm(p.astype(dtype), v_ref, (ROWS, d), interpret, lhs_array=True)
 
-    # Own-block keys first (every real row sees its block's key 0, so m is finite afterwards).
-    r_ids, c_ids = iota((ROWS, ROWS), 0), iota((ROWS, ROWS), 1)
-    t = r_ids // groups
-    mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
-    if causal:
-      mask = mask & (c_ids % kp <= t % kp)
-    s = jnp.where(mask, scores(kb_smem, ROWS), tri._NEG)
-    m = s.max(axis=1)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-    l = p.sum(axis=1)
-    acc = times_v(p, vb_smem)
+    def own_blocks(kb_smem, vb_smem, own_bars):
+      # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out; the
+      # arrays are padded by 64 - tq): wgmma takes 64 keys where layout inference fails on 16.
+      plgpu.copy_gmem_to_smem(kb_g.at[b, h, :, pl.ds(i * tq, ROWS)], kb_smem, own_bars.at[0])
+      plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, own_bars.at[1])
+      plgpu.barrier_wait(own_bars.at[0])
+      plgpu.barrier_wait(own_bars.at[1])
+      # First (every real row sees its block's key 0, so m is finite afterwards).
+      r_ids, c_ids = iota((ROWS, ROWS), 0), iota((ROWS, ROWS), 1)
+      t = r_ids // groups
+      mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
+      if causal:
+        mask = mask & (c_ids % kp <= t % kp)
+      s = jnp.where(mask, scores(kb_smem, ROWS), tri._NEG)
+      m = s.max(axis=1)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+      return times_v(p, vb_smem), m, p.sum(axis=1)
+
+    acc, m, l = pl.run_scoped(
+        own_blocks,
+        plgpu.SMEM((d, ROWS), dtype, transforms=(tiling, swizzle)),   # own blocks' K^T
+        plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle)),   # own blocks' V
+        plgpu.Barrier(num_barriers=2))
 
     # Context tiles [kt_lo, kt_hi) of this query tile, at least one (masked to nothing where
     # the tile has no context), so the pipeline's trip count is never 0.
     kt_lo = jnp.minimum(ranges_g[b, i, 0], n_kt - 1)
     n = jnp.maximum(ranges_g[b, i, 3] - kt_lo, 1)
-
     int_lo, int_hi = ranges_g[b, i, 1], ranges_g[b, i, 2]
 
     def step(idx, k_smem, v_smem, carry):
@@ -184,12 +194,10 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   pl.run_scoped(
       scoped,
       plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle)),
-      plgpu.SMEM((d, ROWS), dtype, transforms=(tiling, swizzle)),   # own blocks' K^T
-      plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle)),   # own blocks' V
       plgpu.SMEM((ROWS,), jnp.int32),
       plgpu.SMEM((ROWS,), jnp.int32),
       plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(num_barriers=5),
+      plgpu.Barrier(num_barriers=3),
   )
 
 
@@ -210,12 +218,11 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   mm_t = lambda lhs, rhs, shape: _mm(lhs, rhs, shape, interpret, rhs_t=True)   # lhs @ rhs^T
   mm_a = lambda lhs, rhs, shape: _mm(lhs.astype(dtype), rhs, shape, interpret, lhs_array=True)
 
-  def scoped(q_smem, do_smem, kb_smem, vb_smem, lse_smem, delta_smem, lo_smem, hi_smem, bars):
+  # SMEM in two nested phases as in the forward: the own blocks' K, V (their dK, dV staged in
+  # the same buffers) are released before the pipeline allocates its K/V stages (96 KB at
+  # D = 128 with 2 stages).
+  def scoped(q_smem, do_smem, lse_smem, delta_smem, lo_smem, hi_smem, bars):
     copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
-              # the own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked
-              # out; padded by 64 - tq): wgmma takes 64 keys
-              (kb_g.at[b, h, pl.ds(i * tq, ROWS)], kb_smem),
-              (vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem),
               (lse_g.at[b, h, rows], lse_smem), (delta_g.at[b, h, rows], delta_smem),
               (lo_g.at[b, rows], lo_smem), (hi_g.at[b, rows], hi_smem))
     for j, (src, dst) in enumerate(copies):
@@ -234,30 +241,41 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
       mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
       return mask & (c_ids % kp <= t % kp) if causal else mask
 
-    # Own blocks, rows first: dQ's share.
-    s = jnp.where(block_mask(False), mm_t(q_smem, kb_smem, sq) * qk_scale, tri._NEG)
-    p = jnp.exp2(s - rows_of(lse_c, sq))
-    ds = p * (mm_t(do_smem, vb_smem, sq) - rows_of(delta_c, sq))
-    dq = mm_a(ds, kb_smem, (ROWS, d))
-    # Own blocks, keys first ([keys, rows]): their dK and dV, the contraction over rows summing
-    # the G query heads.
-    sT = jnp.where(block_mask(True), mm_t(kb_smem, q_smem, sq) * qk_scale, tri._NEG)
-    pT = jnp.exp2(sT - cols_of(lse_r, sq))
-    dsT = pT * (mm_t(vb_smem, do_smem, sq) - cols_of(delta_r, sq))
-    dvb = mm_a(pT, do_smem, (ROWS, d))
-    dkb = mm_a(dsT, q_smem, (ROWS, d)) * scale
-    kb_smem[...] = dkb.astype(dtype)
-    vb_smem[...] = dvb.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(i * tq, tq)])
-    plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(i * tq, tq)])
+    def own_blocks(kb_smem, vb_smem, own_bars):
+      # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out;
+      # padded by 64 - tq): wgmma takes 64 keys.
+      plgpu.copy_gmem_to_smem(kb_g.at[b, h, pl.ds(i * tq, ROWS)], kb_smem, own_bars.at[0])
+      plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, own_bars.at[1])
+      plgpu.barrier_wait(own_bars.at[0])
+      plgpu.barrier_wait(own_bars.at[1])
+      # Rows first: dQ's share.
+      s = jnp.where(block_mask(False), mm_t(q_smem, kb_smem, sq) * qk_scale, tri._NEG)
+      p = jnp.exp2(s - rows_of(lse_c, sq))
+      ds = p * (mm_t(do_smem, vb_smem, sq) - rows_of(delta_c, sq))
+      dq = mm_a(ds, kb_smem, (ROWS, d))
+      # Keys first ([keys, rows]): their dK and dV, the contraction over rows summing the G
+      # query heads.
+      sT = jnp.where(block_mask(True), mm_t(kb_smem, q_smem, sq) * qk_scale, tri._NEG)
+      pT = jnp.exp2(sT - cols_of(lse_r, sq))
+      dsT = pT * (mm_t(vb_smem, do_smem, sq) - cols_of(delta_r, sq))
+      dvb = mm_a(pT, do_smem, (ROWS, d))
+      dkb = mm_a(dsT, q_smem, (ROWS, d)) * scale
+      kb_smem[...] = dkb.astype(dtype)
+      vb_smem[...] = dvb.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(i * tq, tq)])
+      plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(i * tq, tq)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the buffers are released on return
+      return dq
+
+    tile = lambda: plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle))
+    dq = pl.run_scoped(own_blocks, tile(), tile(), plgpu.Barrier(num_barriers=2))
 
     # Context tiles [kt_lo, kt_hi), at least one (masked to nothing where the tile has none).
     kt_lo = jnp.minimum(ranges_g[b, i, 0], n_kt - 1)
     n = jnp.maximum(ranges_g[b, i, 3] - kt_lo, 1)
-    st = (ROWS, tk)
-
     int_lo, int_hi = ranges_g[b, i, 1], ranges_g[b, i, 2]
+    st = (ROWS, tk)
 
     def step(idx, k_smem, v_smem, dq):
       kt = kt_lo + idx[0]
@@ -281,9 +299,9 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     plgpu.wait_smem_to_gmem(0)
 
   tile = lambda: plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle))
-  pl.run_scoped(scoped, tile(), tile(), tile(), tile(), plgpu.SMEM((ROWS,), jnp.float32),
+  pl.run_scoped(scoped, tile(), tile(), plgpu.SMEM((ROWS,), jnp.float32),
                 plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.int32),
-                plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_barriers=8))
+                plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_barriers=6))
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
