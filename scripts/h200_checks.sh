@@ -51,7 +51,9 @@ part_cmds() {
       run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
           -p no:cacheprovider
       run timeout 150 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 8192x1024,65536x2048
+          --shapes 8192x1024 --mosaic-tiles default,keys128,stages3,dkv3
+      run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+          --shapes 65536x2048
       run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
           --heads 9/3 --head-dim 64 --shapes 2048x512 --layers full ;;
     kernel-smollm2) # the SmolLM2 recipe's attention (9/3 heads, head size 64, a 2048-token row

@@ -153,7 +153,20 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
                       Row("mgpu-dense", "nomask", f"{S}x{N}"), reps)
 
 
-def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", interpret=False):
+# Mosaic GPU tile variants (`--mosaic-tiles a,b`): SMEM per kernel at head size 128 from the
+# lowering (forward / dQ): default 85 / 100 KiB (two CTAs per SM), keys128 149 / 164, stages3
+# 117 / 132 (one CTA per SM).
+def _mosaic_variants():
+  from pallas_kernels.dflash_attention.mosaic_gpu import MosaicConfig
+  return {"default": MosaicConfig(),
+          "keys128": MosaicConfig(fwd_keys=128, dq_keys=128),
+          "stages3": MosaicConfig(fwd_stages=3, dq_stages=3, dkv_stages=3),
+          "dkv3": MosaicConfig(dkv_stages=3),
+          "keys128s3": MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dkv_stages=3)}
+
+
+def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", interpret=False,
+                 tiles="default"):
   """Our Mosaic GPU kernels (mosaic_gpu.py): the forward with the Triton backward
   ("mosaic-fwd") or with the Mosaic GPU dQ and dK/dV kernels ("mosaic"), timed only after its
   output and (for "mosaic") every gradient matched the Triton kernel's within bf16 tolerance."""
@@ -161,10 +174,12 @@ def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", 
   anchors, doc_start, valid = (jnp.asarray(v) for v in idx)
   kw = dict(block_size=BLOCK, window=window)
   attn = lambda *x: mosaic_gpu.dflash_attention_mosaic(*x, anchors, doc_start, valid, **kw,
-                                                       backward=backward, interpret=interpret)
+                                                       backward=backward, interpret=interpret,
+                                                       tiles=_mosaic_variants()[tiles])
   tri = lambda *x: dflash_triton.dflash_attention_triton(*x, anchors, doc_start, valid, **kw,
                                                          interpret=interpret)
-  row = Row("mosaic-fwd" if backward == "triton" else "mosaic",
+  name = "mosaic-fwd" if backward == "triton" else "mosaic"
+  row = Row(name if tiles == "default" else f"{name}:{tiles}",
             "full" if window is None else f"w{window}", shape)
   ct = jax.random.normal(jax.random.PRNGKey(1), xs[0].shape, xs[0].dtype)
   names = ("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk")[:6 if backward == "mosaic" else 1]
@@ -280,6 +295,9 @@ def main(argv=None, torch_rows=None):
   p.add_argument("--mosaic", action="store_true",
                  help="also our Mosaic GPU kernels (Hopper): the forward with the Triton "
                       "backward, and forward + Mosaic GPU backward")
+  p.add_argument("--mosaic-tiles", default="default",
+                 help="with --mosaic: comma list of Mosaic GPU tile variants for the all-Mosaic "
+                      "rows (default, keys128, stages3, dkv3, keys128s3)")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -317,9 +335,12 @@ def main(argv=None, torch_rows=None):
                        interpret=args.interpret, **common))
       emit(bench_jax("triton", "pallas", xs, idx, cfg=cfg, interpret=args.interpret, **common))
       if args.mosaic:
-        for backward in ("triton", "mosaic"):
+        emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape, reps=args.reps,
+                          interpret=args.interpret))
+        for tiles in args.mosaic_tiles.split(","):
           emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
-                            reps=args.reps, backward=backward, interpret=args.interpret))
+                            reps=args.reps, backward="mosaic", interpret=args.interpret,
+                            tiles=tiles))
       if args.parts:
         ms = kernel_parts(xs, idx, window=window, flops_fwd=flops, reps=args.reps, cfg=cfg,
                           interpret=args.interpret)

@@ -24,6 +24,7 @@ WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -103,7 +104,7 @@ def _interpret_params(interpret):
 
 
 def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_g, *, tq, tk,
-                    groups, kp, k_real, causal, qk_scale, n_kt, interpret):
+                    groups, kp, k_real, causal, qk_scale, n_kt, stages, interpret):
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
   d = q_g.shape[-1]
   dtype = q_g.dtype
@@ -178,7 +179,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
     v_spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
                              transforms=(tiling, swizzle))
     acc, m, l = plgpu.emit_pipeline(step, grid=(n,), in_specs=[k_spec, v_spec],
-                                    max_concurrent_steps=2, init_carry=(acc, m, l))(
+                                    max_concurrent_steps=stages, init_carry=(acc, m, l))(
                                         kc_g.at[b, h], vc_g.at[b, h])
 
     real = lo < tri._NO_ROW
@@ -203,7 +204,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
 
 def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g, vb_g,
                dq_g, dkb_g, dvb_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, scale, n_kt,
-               interpret):
+               stages, interpret):
   """dQ of one 64-row query tile, and the gradients of its own blocks' keys (no other tile sees
   them): the Triton dQ kernel's work, one warpgroup per tile, context K/V tiles pipelined."""
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -291,8 +292,8 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
 
     spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
                            transforms=(tiling, swizzle))
-    dq = plgpu.emit_pipeline(step, grid=(n,), in_specs=[spec, spec], max_concurrent_steps=2,
-                             init_carry=dq)(kc_g.at[b, h], vc_g.at[b, h])
+    dq = plgpu.emit_pipeline(step, grid=(n,), in_specs=[spec, spec],
+                             max_concurrent_steps=stages, init_carry=dq)(kc_g.at[b, h], vc_g.at[b, h])
     q_smem[...] = (dq * scale).astype(dtype)      # the q tile's buffer holds dQ
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
@@ -305,7 +306,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
-                tk, qk_scale, scale, n_qt, interpret):
+                tk, qk_scale, scale, n_qt, stages, interpret):
   """dK, dV of one context key tile over the query tiles that may see it (keys first, [TK, R]:
   the contraction over rows sums the G query heads), query tiles pipelined."""
   j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
@@ -350,7 +351,7 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
     vec = plgpu.BlockSpec(block_shape=(ROWS,), index_map=lambda t: (qa + t,))
     zeros = _zeros((tk, d), interpret)
     dk, dv = plgpu.emit_pipeline(step, grid=(n,), in_specs=[tile, tile, vec, vec, vec, vec],
-                                 max_concurrent_steps=2, init_carry=(zeros, zeros))(
+                                 max_concurrent_steps=stages, init_carry=(zeros, zeros))(
                                      q_g.at[b, h], do_g.at[b, h], lse_g.at[b, h],
                                      delta_g.at[b, h], lo_g.at[b], hi_g.at[b])
     k_smem[...] = (dk * scale).astype(dtype)
@@ -377,6 +378,40 @@ def _check(q, kc, block_size):
     raise NotImplementedError(f"head size {D} ({q.dtype}): needs a power of two >= 64, bf16/f16")
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles of the Mosaic GPU kernels: context keys per pipeline step of the forward and dQ kernels
+  (64 or 128; a query tile is always one warpgroup's 64 rows, a dK/dV tile 64 keys) and each
+  kernel's pipeline depth (steps in flight, 2-4; SMEM per stage at head size 128: 32 KB for the
+  forward's and dQ's 64-key K/V tiles, 64 KB for 128 keys, 32 KB for dK/dV's q/dO tiles)."""
+  fwd_keys: int = 64
+  fwd_stages: int = 2
+  dq_keys: int = 64
+  dq_stages: int = 2
+  dkv_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("fwd_keys", "dq_keys"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"{name}={getattr(self, name)} must be 64 or 128")
+    for name in ("fwd_stages", "dq_stages", "dkv_stages"):
+      if getattr(self, name) not in (2, 3, 4):
+        raise ValueError(f"{name}={getattr(self, name)} must be 2, 3 or 4")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static(tri._Static):
+  """The Triton kernels' static settings (their backward may take this forward's outputs) and the
+  Mosaic GPU kernels' tiles."""
+  tiles: MosaicConfig = MosaicConfig()
+
+
+def _keys_per_step(plan, keys: int) -> int:
+  """A kernel's context keys per step: its configured tile where the padded context is a
+  multiple of it (the plan pads to the Triton tiles' multiple), else 64."""
+  return keys if plan.Sp % keys == 0 else KEYS
+
+
 class _Geometry(NamedTuple):
   plan: tri._Plan
   tq: int                 # query tokens of a 64-row tile
@@ -384,11 +419,12 @@ class _Geometry(NamedTuple):
   hi: jax.Array
   lo_r: jax.Array         # per row [B, Qp * G] (token t's G rows t * G + g)
   hi_r: jax.Array
-  ranges: jax.Array       # per query tile [B, Qp // tq, 4]: its key tiles (triton._q_tile_ranges)
+  ranges: jax.Array       # per query tile [B, Qp // tq, 4]: its tk-key tiles (triton._q_tile_ranges)
   any_row: jax.Array
 
 
-def _geometry(st, q_shape, kc_shape, anchors, doc_start, valid) -> _Geometry:
+def _geometry(st, q_shape, kc_shape, anchors, doc_start, valid, tk=KEYS) -> _Geometry:
+  """Row bounds and each 64-row query tile's range of tk-key context tiles."""
   G = q_shape[2] // kc_shape[2]
   tq = ROWS // G
   plan = tri._plan(st, q_shape, kc_shape)
@@ -396,7 +432,7 @@ def _geometry(st, q_shape, kc_shape, anchors, doc_start, valid) -> _Geometry:
     raise NotImplementedError(f"{kc_shape[1]} context keys or {q_shape[1]} queries: fewer than "
                               f"one tile ({KEYS} keys, {tq} queries)")
   lo, hi = tri._row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
-  ranges, any_row = tri._q_tile_ranges(lo, hi, tq=tq, tk=KEYS)
+  ranges, any_row = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
   lo_r, hi_r = (jnp.repeat(x, G, axis=1) for x in (lo, hi))
   return _Geometry(plan, tq, lo, hi, lo_r, hi_r, ranges, any_row)
 
@@ -435,7 +471,8 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
   B, _, Hq, D = q.shape
   Hkv = kc.shape[2]
   G = Hq // Hkv
-  geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid)
+  tk = _keys_per_step(tri._plan(st, q.shape, kc.shape), st.tiles.fwd_keys)
+  geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid, tk)
   plan, tq = geo.plan, geo.tq
   q_rows = _to_rows(q, plan, G)
   # K transposed ([B, Hkv, D, keys]): the scores' right operand needs no transposed view.
@@ -445,9 +482,9 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
   vb_h = _pad_own_keys(_heads_first(tri._pad_blocks(vb, plan)), plan, tq)
   kernel = plgpu.kernel(
       lambda *refs: _forward_kernel(
-          *refs, tq=tq, tk=KEYS, groups=G, kp=plan.Kp, k_real=st.block_size,
+          *refs, tq=tq, tk=tk, groups=G, kp=plan.Kp, k_real=st.block_size,
           causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
-          n_kt=plan.Sp // KEYS, interpret=st.interpret),
+          n_kt=plan.Sp // tk, stages=st.tiles.fwd_stages, interpret=st.interpret),
       out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
                 jax.ShapeDtypeStruct((B, Hkv, q_rows.shape[2]), jnp.float32)),
       grid=(q_rows.shape[2] // ROWS, Hkv, B), grid_names=("q", "h", "b"),
@@ -465,8 +502,10 @@ def _backward(st, res, dout):
   B, _, Hq, D = q.shape
   Hkv = kc.shape[2]
   G = Hq // Hkv
-  geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid)
+  geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid)     # 64-key tiles (dK/dV)
   plan, tq = geo.plan, geo.tq
+  tk_dq = _keys_per_step(plan, st.tiles.dq_keys)
+  ranges_dq = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid, tk_dq).ranges
   do_p = tri._pad_blocks(dout.astype(q.dtype), plan)
   # D_r = sum_d dO * O per row, one fused XLA reduction, in the lse's layout [B, Hkv, Qp * G].
   delta = jnp.sum(do_p.astype(jnp.float32) * out_p.astype(jnp.float32), -1)
@@ -481,17 +520,18 @@ def _backward(st, res, dout):
   blk = jax.ShapeDtypeStruct((B, Hkv, Qp, D), q.dtype)
   dq_rows, dkb, dvb = plgpu.kernel(
       lambda *refs: _dq_kernel(
-          *refs, tq=tq, tk=KEYS, groups=G, kp=plan.Kp, k_real=st.block_size,
-          causal=st.window is not None, qk_scale=qk_scale, scale=st.scale, n_kt=n_kt,
-          interpret=st.interpret),
+          *refs, tq=tq, tk=tk_dq, groups=G, kp=plan.Kp, k_real=st.block_size,
+          causal=st.window is not None, qk_scale=qk_scale, scale=st.scale,
+          n_kt=plan.Sp // tk_dq, stages=st.tiles.dq_stages, interpret=st.interpret),
       out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype), blk, blk),
       grid=(n_rows // ROWS, Hkv, B), grid_names=("q", "h", "b"), **params)(
-          geo.ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
+          ranges_dq, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
   k_ranges = tri._k_tile_ranges(geo.ranges, geo.any_row, nkt=n_kt)
   ctx = jax.ShapeDtypeStruct(kc_h.shape, q.dtype)
   dkc, dvc = plgpu.kernel(
       lambda *refs: _dkv_kernel(*refs, tk=KEYS, qk_scale=qk_scale, scale=st.scale,
-                                n_qt=n_rows // ROWS, interpret=st.interpret),
+                                n_qt=n_rows // ROWS, stages=st.tiles.dkv_stages,
+                                interpret=st.interpret),
       out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"), **params)(
           k_ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h)
   dq = tri._unpad_blocks(_from_rows(dq_rows, plan, G), plan)
@@ -507,24 +547,26 @@ _INTERPRET = tri.config_lib.DFlashConfig(fwd_rows=ROWS, fwd_keys=KEYS, dq_rows=R
                                          dq_keys=KEYS, dkv_rows=ROWS, dkv_keys=KEYS)
 
 
-def _static(q, block_size, window, scale, config, interpret):
+def _static(q, block_size, window, scale, config, interpret, tiles=None) -> _Static:
   D = q.shape[-1]
   if interpret and config is None:
     config = _INTERPRET
-  return tri.make_static(block_size=block_size, window=window,
+  base = tri.make_static(block_size=block_size, window=window,
                          scale=D ** -0.5 if scale is None else scale, head_dim=D, dtype=q.dtype,
                          config=config, interpret=interpret)
+  return _Static(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                 tiles=tiles or MosaicConfig())
 
 
 def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block_size: int,
                           window: int | None = None, scale: float | None = None, config=None,
-                          interpret: bool = False):
+                          interpret: bool = False, tiles: MosaicConfig | None = None):
   """-> (out [B, N*K, Hq, D], lse base 2 [B, Hkv, Qp * G]) as the Triton forward's with the same
   config (default: the device's preset). Shapes as api.dflash_attention's; bf16 or f16,
   G = Hq // Hkv dividing 64 into whole padded blocks, head size a multiple of 64. interpret:
   JAX's Mosaic GPU interpreter on a CPU (slow; for tests)."""
   _check(q, kc, block_size)
-  st = _static(q, block_size, window, scale, config, interpret)
+  st = _static(q, block_size, window, scale, config, interpret, tiles)
   out, _, lse = _forward(q, kc, vc, kb, vb, anchors.astype(jnp.int32),
                          doc_start.astype(jnp.int32), valid.astype(jnp.bool_), st)
   return out, lse
@@ -563,13 +605,13 @@ def _fit_groups(Hq: int, Hkv: int, block_size: int) -> int:
 def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
                             block_size: int, window: int | None = None,
                             scale: float | None = None, config=None, backward: str = "triton",
-                            interpret: bool = False):
+                            interpret: bool = False, tiles: MosaicConfig | None = None):
   """DFlash attention (api.dflash_attention's contract) with the Mosaic GPU forward.
 
   backward: "triton" (the Triton dQ and dK/dV kernels; config: their tiles, default the
   device's preset) or "mosaic" (this module's dQ and dK/dV kernels). interpret: every kernel
   interpreted on a CPU (JAX's Mosaic GPU and Pallas-Triton interpreters; slow, for tests).
-  As the Triton kernel's entry point: KV heads are repeated where a tile could not hold whole
+  tiles: the Mosaic GPU kernels' MosaicConfig (default: 64-key steps, 2 stages). As the Triton kernel's entry point: KV heads are repeated where a tile could not hold whole
   blocks of a KV head's query heads (the repeat's VJP sums the partial dK/dV, so gradients are
   exact), and head sizes below 64 or not a power of two are zero-padded (the softmax scale stays
   that of the real size). bf16 / f16 inputs, head sizes up to 128, blocks up to 64.
@@ -592,7 +634,8 @@ def dflash_attention_mosaic(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, b
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
     q, kv = pad(q), tuple(pad(x) for x in kv)
   _check(q, kv[0], block_size)
-  st = _static(q, block_size, window, D ** -0.5 if scale is None else scale, config, interpret)
+  st = _static(q, block_size, window, D ** -0.5 if scale is None else scale, config, interpret,
+               tiles)
   fn = _attention if backward == "triton" else _attention_mgpu
   out = fn(q, *kv, anchors.astype(jnp.int32), doc_start.astype(jnp.int32),
            block_valid.astype(jnp.bool_), st)

@@ -53,6 +53,38 @@ def test_mosaic_backward_lowers_for_cuda(head_dim, window, Hq, Hkv):
   assert "dflash_bwd" not in text and "dflash_fwd" not in text, "a Triton kernel ran"
 
 
+@pytest.mark.parametrize("tiles", [dict(fwd_keys=128, dq_keys=128, dkv_stages=3),
+                                   dict(fwd_stages=4, dq_stages=4, dkv_stages=4)], ids=str)
+def test_tile_variants_lower_for_cuda(tiles):
+  def loss(*x):
+    out = mg.dflash_attention_mosaic(*x, block_size=16, window=2048, backward="mosaic",
+                                     tiles=mg.MosaicConfig(**tiles))
+    return jnp.sum(out.astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+      *_args(16, 128, 32, 8, S=1024)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3
+
+
+def test_default_tiles_fit_two_ctas_per_sm(monkeypatch):
+  """At head size 128 every kernel's shared memory (counted by Mosaic GPU's lowering) leaves room
+  for a second tile's CTA on the SM (228 KB, 1 KB reserved per CTA): a warpgroup waiting on its
+  wgmma or softmax then overlaps with another. 128-key steps or 3 stages do not fit twice."""
+  import jax.experimental.mosaic.gpu.core as mgpu_core
+  if not hasattr(mgpu_core, "_SMEM_SIZE_BOUND"):
+    pytest.skip("this JAX's Mosaic GPU has no shared-memory bound to set")
+  monkeypatch.setattr(mgpu_core, "_SMEM_SIZE_BOUND", 113 * 1024)
+
+  def loss(tiles, *x):
+    out = mg.dflash_attention_mosaic(*x, block_size=16, window=2048, backward="mosaic",
+                                     tiles=tiles)
+    return jnp.sum(out.astype(jnp.float32))
+  lower = lambda tiles: jax.jit(jax.grad(lambda *x: loss(tiles, *x), argnums=(0, 1, 2, 3, 4))).trace(
+      *_args(16, 128, 32, 8, S=1024)).lower(lowering_platforms=("cuda",))
+  lower(mg.MosaicConfig())
+  with pytest.raises(Exception, match="exceeds available shared memory"):
+    lower(mg.MosaicConfig(fwd_stages=3, dq_stages=3))
+
+
 def test_forward_and_triton_backward_lower_for_cuda():
   """dflash_attention_mosaic: the Mosaic GPU forward under a custom VJP whose backward is the
   Triton dQ and dK/dV kernels, fed the forward's padded output and lse."""
@@ -145,6 +177,29 @@ def test_entry_point_refuses_what_it_does_not_take(block_size, head_dim, dtype):
   x = [jnp.zeros(a.shape, a.dtype) for a in _args(block_size, head_dim, 4, 2, N=2, dtype=dtype)]
   with pytest.raises(NotImplementedError):
     mg.dflash_attention_mosaic(*x, block_size=block_size)
+
+
+def test_interpreted_kernels_with_128_key_steps_and_deeper_pipelines():
+  """MosaicConfig: 128 context keys a step in the forward and dQ, 3-4 stages in flight; the
+  context padded to a multiple of 128 (the Triton tiles' plan), the same gradients."""
+  import dataclasses
+  case = INTERPRET_CASES[2]
+  (q, kc, vc, kb, vb), idx = make_inputs(case, seed=11)
+  kw = dict(block_size=case.block_size, window=case.window)
+  tiles = mg.MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dq_stages=4, dkv_stages=3)
+  config = dataclasses.replace(mg._INTERPRET, dkv_keys=128)
+  ct = jax.random.normal(jax.random.PRNGKey(6), q.shape, jnp.float32)
+  fn = lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward="mosaic", interpret=True,
+                                             tiles=tiles, config=config)
+  out, vjp = jax.vjp(fn, q, kc, vc, kb, vb)
+  f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
+  ref_out, ref_vjp = jax.vjp(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
+  _assert_close(out, ref_out, what="out", **TOLERANCES["bfloat16"])
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), vjp(ct.astype(q.dtype)),
+                        ref_vjp(ct)):
+    _assert_close(a, b, what=name, **TOLERANCES["bfloat16"])
+  with pytest.raises(ValueError, match="fwd_keys"):
+    mg.MosaicConfig(fwd_keys=32)
 
 
 def test_api_runs_the_mosaic_implementation_by_name():
