@@ -15,6 +15,13 @@ the Triton backward unchanged. One warpgroup per tile of 64 rows or keys (the M 
 dflash_attention_mosaic puts the forward under a custom VJP whose backward is either these dQ and
 dK/dV kernels (backward="mosaic") or the Triton ones (backward="triton").
 
+Context tiles that every real row of a tile sees entirely skip the mask (as the Triton kernels'
+unmasked loop). The forward and dQ kernels run their own blocks in a scope of their own, so the
+pipeline's K/V stages reuse those buffers: shared memory at head size 128 with the default
+MosaicConfig (from the lowering, tests/pallas_kernels/test_mosaic_gpu.py) is 85 KiB for the
+forward and 100 KiB for dQ, so two tiles' CTAs share an SM and one's softmax overlaps the other's
+wgmma (no warp specialisation yet).
+
 Status (2026-12-05): written on a CPU machine, never run on a GPU, so api.py selects none of it.
 On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against reference.py on
 the mask's edge cases (interpret=True: register operands and transposed views go through SMEM
