@@ -32,7 +32,6 @@ WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple
 
@@ -103,6 +102,17 @@ def _mask_edge_tile(s, interior, seen):
   return lax.cond(interior, lambda x: x, lambda x: jnp.where(seen(), x, tri._NEG), s)
 
 
+def _query_tile_indices():
+  """(i, h, b, the tile's 64 rows) of a kernel on the query-tile grid ("q", "h", "b")."""
+  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+  return i, h, b, pl.ds(i * ROWS, ROWS)
+
+
+def _swizzled():
+  """The transforms of a 16-bit SMEM tile read by TMA and wgmma: 8 x 64 tiles, 128-byte swizzle."""
+  return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
 def _interpret_params(interpret):
   if not interpret:
     return None
@@ -112,11 +122,9 @@ def _interpret_params(interpret):
 
 def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_g, *, tq, tk,
                     groups, kp, k_real, causal, qk_scale, n_kt, stages, interpret):
-  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-  d = q_g.shape[-1]
-  dtype = q_g.dtype
-  rows = pl.ds(i * ROWS, ROWS)
-  tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+  i, h, b, rows = _query_tile_indices()
+  d, dtype = q_g.shape[-1], q_g.dtype
+  tiling, swizzle = _swizzled()
   iota = lambda shape, dim: _iota(shape, dim, interpret)
 
   # SMEM in two nested phases, so that the own blocks' tiles (released after the first) and the
@@ -214,11 +222,9 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
                stages, interpret):
   """dQ of one 64-row query tile, and the gradients of its own blocks' keys (no other tile sees
   them): the Triton dQ kernel's work, one warpgroup per tile, context K/V tiles pipelined."""
-  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-  d = q_g.shape[-1]
-  dtype = q_g.dtype
-  rows = pl.ds(i * ROWS, ROWS)
-  tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+  i, h, b, rows = _query_tile_indices()
+  d, dtype = q_g.shape[-1], q_g.dtype
+  tiling, swizzle = _swizzled()
   iota = lambda shape, dim: _iota(shape, dim, interpret)
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
   cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
@@ -320,7 +326,7 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
   d = q_g.shape[-1]
   dtype = q_g.dtype
   keys = pl.ds(j * tk, tk)
-  tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+  tiling, swizzle = _swizzled()
   st = (tk, ROWS)
   cols_of = lambda x: lax.broadcast_in_dim(x, st, [1])
 
@@ -583,17 +589,7 @@ def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block
 _attention = tri.with_triton_backward(_forward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention_mgpu(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
-  return _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)[0]
-
-
-def _attention_mgpu_fwd(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
-  out, out_p, lse = _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)
-  return out, (q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse)
-
-
-_attention_mgpu.defvjp(_attention_mgpu_fwd, _backward)
+_attention_mgpu = tri.differentiable(_forward, _backward)
 
 
 def _fit_groups(Hq: int, Hkv: int, block_size: int) -> int:

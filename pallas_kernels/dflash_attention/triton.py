@@ -536,10 +536,10 @@ def _dflash_bwd(st, res, dout):
           None, None, None)
 
 
-def with_triton_backward(forward):
-  """forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st) -> (out, out_p, lse) in this
-  module's layouts, made differentiable by the Triton dQ and dK/dV kernels (_dflash_bwd), which
-  read its padded output and base-2 lse. Another forward kernel (mosaic_gpu.py) shares them."""
+def differentiable(forward, backward):
+  """forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st) -> (out, out_p, lse) under a custom
+  VJP whose backward(st, residuals, dout) gets (q, kc, vc, kb, vb, anchors, doc_start, valid,
+  out_p, lse): the padded output and base-2 lse in this module's layouts."""
   @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
   def attention(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
     return forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)[0]
@@ -548,8 +548,14 @@ def with_triton_backward(forward):
     out, out_p, lse = forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st)
     return out, (q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse)
 
-  attention.defvjp(attention_fwd, _dflash_bwd)
+  attention.defvjp(attention_fwd, backward)
   return attention
+
+
+def with_triton_backward(forward):
+  """forward made differentiable by the Triton dQ and dK/dV kernels (_dflash_bwd), which read its
+  padded output and base-2 lse. Another forward kernel (mosaic_gpu.py) shares them."""
+  return differentiable(forward, _dflash_bwd)
 
 
 _dflash = with_triton_backward(_forward)
