@@ -154,8 +154,8 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
 
 
 # Mosaic GPU tile variants (`--mosaic-tiles a,b`): SMEM per kernel at head size 128 from the
-# lowering (forward / dQ): default 85 / 100 KiB (two CTAs per SM), keys128 149 / 164, stages3
-# 117 / 132 (one CTA per SM).
+# lowering (forward / dQ): default 85 / 102 KiB (two CTAs per SM), keys128 149 / 166, stages3
+# 117 / 134 (one CTA per SM).
 def _mosaic_variants():
   from pallas_kernels.dflash_attention.mosaic_gpu import MosaicConfig
   return {"default": MosaicConfig(),

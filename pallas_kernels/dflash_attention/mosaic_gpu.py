@@ -19,7 +19,7 @@ Context tiles that every real row of a tile sees entirely skip the mask (as the 
 unmasked loop). The forward and dQ kernels run their own blocks in a scope of their own, so the
 pipeline's K/V stages reuse those buffers: shared memory at head size 128 with the default
 MosaicConfig (from the lowering, tests/pallas_kernels/test_mosaic_gpu.py) is 85 KiB for the
-forward and 100 KiB for dQ, so two tiles' CTAs share an SM and one's softmax overlaps the other's
+forward and 102 KiB for dQ, so two tiles' CTAs share an SM and one's softmax overlaps the other's
 wgmma (no warp specialisation yet).
 
 Status (2026-12-05): written on a CPU machine, never run on a GPU, so api.py selects none of it.
@@ -27,7 +27,13 @@ On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against r
 the mask's edge cases (interpret=True: register operands and transposed views go through SMEM
 buffers there, and layouts are left out; the GPU path is otherwise the same code) and lower them
 for CUDA, which runs Mosaic GPU's layout inference and TMA checks. Lane semantics with explicit
-WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels).
+WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels). The GPU
+machine's JAX 0.11 infers SMEM transforms the CPU's 0.10 does not check: the CUDA lowering tests
+also pass there (a Python 3.12 venv with jax==0.11.2 jaxlib==0.11.2 on a CPU,
+`pytest tests/pallas_kernels/test_mosaic_gpu.py -k "lowers or refuse or two_ctas or variants"`),
+after two changes they asked for: K is read [keys, D] and transposed as a view (a K^T slab
+sliced at a block's 16-key offset failed the 64-wide swizzle's divisibility), and dQ reads lse
+and delta from two buffers, one per register layout.
 """
 from __future__ import annotations
 
@@ -138,8 +144,8 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
       plgpu.barrier_wait(bars.at[j])
     lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
-    def scores(kt_ref, width):   # kt_ref: keys transposed, [D, width]
-      return _mm(q_smem, kt_ref, (ROWS, width), interpret) * qk_scale
+    def scores(k_ref, width):    # q k^T of a [width, D] key tile
+      return _mm(q_smem, k_ref, (ROWS, width), interpret, rhs_t=True) * qk_scale
 
     def times_v(p, v_ref):
       return _mm(p.astype(dtype), v_ref, (ROWS, d), interpret, lhs_array=True)
@@ -147,7 +153,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
     def own_blocks(kb_smem, vb_smem, own_bars):
       # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out; the
       # arrays are padded by 64 - tq): wgmma takes 64 keys where layout inference fails on 16.
-      plgpu.copy_gmem_to_smem(kb_g.at[b, h, :, pl.ds(i * tq, ROWS)], kb_smem, own_bars.at[0])
+      plgpu.copy_gmem_to_smem(kb_g.at[b, h, pl.ds(i * tq, ROWS)], kb_smem, own_bars.at[0])
       plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, own_bars.at[1])
       plgpu.barrier_wait(own_bars.at[0])
       plgpu.barrier_wait(own_bars.at[1])
@@ -164,7 +170,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
 
     acc, m, l = pl.run_scoped(
         own_blocks,
-        plgpu.SMEM((d, ROWS), dtype, transforms=(tiling, swizzle)),   # own blocks' K^T
+        plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle)),   # own blocks' K
         plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle)),   # own blocks' V
         plgpu.Barrier(num_barriers=2))
 
@@ -189,11 +195,9 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + times_v(p, v_smem)
       return acc, m_new, l * alpha + p.sum(axis=1)
 
-    k_spec = plgpu.BlockSpec(block_shape=(d, tk), index_map=lambda j: (0, kt_lo + j),
-                             transforms=(tiling, swizzle))
-    v_spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
-                             transforms=(tiling, swizzle))
-    acc, m, l = plgpu.emit_pipeline(step, grid=(n,), in_specs=[k_spec, v_spec],
+    spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
+                           transforms=(tiling, swizzle))
+    acc, m, l = plgpu.emit_pipeline(step, grid=(n,), in_specs=[spec, spec],
                                     max_concurrent_steps=stages, init_carry=(acc, m, l))(
                                         kc_g.at[b, h], vc_g.at[b, h])
 
@@ -235,9 +239,13 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   # SMEM in two nested phases as in the forward: the own blocks' K, V (their dK, dV staged in
   # the same buffers) are released before the pipeline allocates its K/V stages (96 KB at
   # D = 128 with 2 stages).
-  def scoped(q_smem, do_smem, lse_smem, delta_smem, lo_smem, hi_smem, bars):
+  def scoped(q_smem, do_smem, lse_smem, delta_smem, lse_t_smem, delta_t_smem, lo_smem, hi_smem,
+             bars):
+    # lse and delta twice: one copy read per row of a rows-first tile, one per column of a
+    # keys-first tile (a buffer loaded in two register layouts failed JAX 0.11's layout inference)
     copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
               (lse_g.at[b, h, rows], lse_smem), (delta_g.at[b, h, rows], delta_smem),
+              (lse_g.at[b, h, rows], lse_t_smem), (delta_g.at[b, h, rows], delta_t_smem),
               (lo_g.at[b, rows], lo_smem), (hi_g.at[b, rows], hi_smem))
     for j, (src, dst) in enumerate(copies):
       plgpu.copy_gmem_to_smem(src, dst, bars.at[j])
@@ -246,7 +254,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     # per row of a rows-first [R, X] tile (_c) and per column of a keys-first [X, R] one (_r)
     lse_c, delta_c, lo, hi = (_vec(r, 0, interpret)
                               for r in (lse_smem, delta_smem, lo_smem, hi_smem))
-    lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_smem, delta_smem))
+    lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t_smem, delta_t_smem))
     sq = (ROWS, ROWS)
 
     def block_mask(keys_first):
@@ -313,9 +321,9 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     plgpu.wait_smem_to_gmem(0)
 
   tile = lambda: plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle))
-  pl.run_scoped(scoped, tile(), tile(), plgpu.SMEM((ROWS,), jnp.float32),
-                plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.int32),
-                plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_barriers=6))
+  vec = lambda dt: plgpu.SMEM((ROWS,), dt)
+  pl.run_scoped(scoped, tile(), tile(), *(vec(jnp.float32) for _ in range(4)), vec(jnp.int32),
+                vec(jnp.int32), plgpu.Barrier(num_barriers=8))
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
@@ -488,11 +496,8 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
   geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid, tk)
   plan, tq = geo.plan, geo.tq
   q_rows = _to_rows(q, plan, G)
-  # K transposed ([B, Hkv, D, keys]): the scores' right operand needs no transposed view.
-  keys_last = lambda x: x.transpose(0, 2, 3, 1)
-  kc_h, vc_h = keys_last(tri._pad_keys(kc, plan)), _heads_first(tri._pad_keys(vc, plan))
-  kb_h = _pad_own_keys(_heads_first(tri._pad_blocks(kb, plan)), plan, tq).transpose(0, 1, 3, 2)
-  vb_h = _pad_own_keys(_heads_first(tri._pad_blocks(vb, plan)), plan, tq)
+  kc_h, vc_h = (_heads_first(tri._pad_keys(x, plan)) for x in (kc, vc))
+  kb_h, vb_h = (_pad_own_keys(_heads_first(tri._pad_blocks(x, plan)), plan, tq) for x in (kb, vb))
   kernel = plgpu.kernel(
       lambda *refs: _forward_kernel(
           *refs, tq=tq, tk=tk, groups=G, kp=plan.Kp, k_real=st.block_size,
