@@ -103,6 +103,10 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
     from pallas_kernels.dflash_attention import mosaic_gpu
     if backward not in (None, "mosaic"):
       raise ValueError(f"backward={backward!r}: the mosaic implementation has its own backward")
+    if not interpret and jax.default_backend() != "gpu":
+      raise ValueError("implementation='mosaic' runs on an NVIDIA Hopper GPU (H100/H200), and JAX "
+                       f"sees {jax.default_backend()!r}: leave the implementation unset (the "
+                       "best available), or pass interpret=True to interpret it on a CPU")
     return mosaic_gpu.dflash_attention_mosaic(
         q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
         window=window, scale=scale, backward="mosaic", interpret=interpret)

@@ -216,6 +216,9 @@ def test_api_runs_the_mosaic_implementation_by_name():
   with pytest.raises(ValueError, match="own backward"):
     api.dflash_attention(q, kc, vc, kb, vb, *idx, **kw, implementation="mosaic",
                          backward="triton", interpret=True)
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="Hopper GPU"):
+      api.dflash_attention(q, kc, vc, kb, vb, *idx, **kw, implementation="mosaic")
 
 
 def test_interpreted_forward_under_the_triton_backward():
