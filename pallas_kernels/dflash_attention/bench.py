@@ -62,12 +62,12 @@ class Row:
 
   def line(self):
     f = lambda x, p: "-" if x is None else f"{x:.{p}f}"
-    return (f"{self.impl:12s} {self.layer:8s} {self.shape:12s} {f(self.fwd_ms, 2):>9s} "
+    return (f"{self.impl:16s} {self.layer:8s} {self.shape:12s} {f(self.fwd_ms, 2):>9s} "
             f"{f(self.fwd_tflops, 0):>6s} {f(self.step_ms, 2):>9s} {f(self.step_tflops, 0):>6s} "
             f"{f(self.mem_gib, 2):>8s}  {self.note}")
 
 
-HEADER = (f"{'impl':12s} {'layer':8s} {'S/N':12s} {'fwd ms':>9s} {'TF/s':>6s} {'fwd+bwd':>9s} "
+HEADER = (f"{'impl':16s} {'layer':8s} {'S/N':12s} {'fwd ms':>9s} {'TF/s':>6s} {'fwd+bwd':>9s} "
           f"{'TF/s':>6s} {'mem GiB':>8s}  note")
 
 

@@ -38,6 +38,7 @@ and delta from two buffers, one per register layout.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import NamedTuple
 
@@ -62,11 +63,19 @@ def _iota(shape, dim, interpret):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+# plgpu.load's index: required by JAX 0.10, deprecated in 0.11 (index the ref instead).
+_LOAD_INDEX = (() if inspect.signature(plgpu.load).parameters["idx"].default
+               is inspect.Parameter.empty else None)
+
+
 def _vec(ref, axis, interpret):
   """A [64] vector from SMEM laid out along `axis` of a wgmma tile (0: one value per row)."""
   if interpret:
     return ref[...]
-  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+  layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+  if _LOAD_INDEX is None:
+    return plgpu.load(ref, layout=layout)
+  return plgpu.load(ref, _LOAD_INDEX, layout=layout)
 
 
 def _zeros(shape, interpret):
@@ -84,7 +93,7 @@ def _mm(lhs, rhs, shape, interpret, *, lhs_array=False, rhs_t=False):
       return acc_ref[...]
     return pl.run_scoped(acc_run, plgpu.ACC(shape, jnp.float32))
   if not interpret:
-    return run(lhs, plgpu.transpose_ref(rhs, (1, 0)) if rhs_t else rhs)
+    return run(lhs, rhs.transpose((1, 0)) if rhs_t else rhs)     # a transposed view
 
   def via_smem(*bufs):
     bufs = list(bufs)
