@@ -29,8 +29,8 @@ buffers there, and layouts are left out; the GPU path is otherwise the same code
 for CUDA, which runs Mosaic GPU's layout inference and TMA checks. Lane semantics with explicit
 WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels). The GPU
 machine's JAX 0.11 infers SMEM transforms the CPU's 0.10 does not check: the CUDA lowering tests
-also pass there (a Python 3.12 venv with jax==0.11.2 jaxlib==0.11.2 on a CPU,
-`pytest tests/pallas_kernels/test_mosaic_gpu.py -k "lowers or refuse or two_ctas or variants"`),
+also pass there (`bash scripts/lower_with_gpu_jax.sh [--all]`: a Python 3.12 venv with
+jax==0.11.2 on a CPU, deprecations as errors),
 after two changes they asked for: K is read [keys, D] and transposed as a view (a K^T slab
 sliced at a block's 16-key offset failed the 64-wide swizzle's divisibility), and dQ reads lse
 and delta from two buffers, one per register layout.
