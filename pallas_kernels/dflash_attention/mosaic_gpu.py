@@ -590,7 +590,7 @@ def dflash_forward_mosaic(q, kc, vc, kb, vb, anchors, doc_start, valid, *, block
                           interpret: bool = False, tiles: MosaicConfig | None = None):
   """-> (out [B, N*K, Hq, D], lse base 2 [B, Hkv, Qp * G]) as the Triton forward's with the same
   config (default: the device's preset). Shapes as api.dflash_attention's; bf16 or f16,
-  G = Hq // Hkv dividing 64 into whole padded blocks, head size a multiple of 64. interpret:
+  G = Hq // Hkv dividing 64 into whole padded blocks, head size a power of two >= 64. interpret:
   JAX's Mosaic GPU interpreter on a CPU (slow; for tests)."""
   _check(q, kc, block_size)
   st = _static(q, block_size, window, scale, config, interpret, tiles)
