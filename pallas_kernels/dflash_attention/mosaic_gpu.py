@@ -117,6 +117,24 @@ def _mask_edge_tile(s, interior, seen):
   return lax.cond(interior, lambda x: x, lambda x: jnp.where(seen(), x, tri._NEG), s)
 
 
+def _own_block_mask(*, keys_first, tq, groups, kp, k_real, causal, interpret):
+  """[64, 64] (rows x own keys; keys x rows with keys_first): may row r (token r // G of this
+  tile) see key c of the 64-key own-block tile (its first tq keys are this tile's blocks, the
+  rest padding). The forward's and dQ's own-block tile."""
+  shape = (ROWS, ROWS)
+  r_ids = _iota(shape, 1 if keys_first else 0, interpret)
+  c_ids = _iota(shape, 0 if keys_first else 1, interpret)
+  t = r_ids // groups
+  mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
+  return mask & (c_ids % kp <= t % kp) if causal else mask
+
+
+def _ctx_seen(kt, tk, lo, hi, interpret):
+  """[64, tk]: may row r see context key kt * tk + c (lo / hi: the rows' ranges, one a row)."""
+  j = kt * tk + _iota((ROWS, tk), 1, interpret)
+  return (j >= lax.broadcast_in_dim(lo, j.shape, [0])) & (j < lax.broadcast_in_dim(hi, j.shape, [0]))
+
+
 def _query_tile_indices():
   """(i, h, b, the tile's 64 rows) of a kernel on the query-tile grid ("q", "h", "b")."""
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -140,10 +158,12 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   i, h, b, rows = _query_tile_indices()
   d, dtype = q_g.shape[-1], q_g.dtype
   tiling, swizzle = _swizzled()
-  iota = lambda shape, dim: _iota(shape, dim, interpret)
+  block_mask = lambda keys_first: _own_block_mask(
+      keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+      interpret=interpret)
 
   # SMEM in two nested phases, so that the own blocks' tiles (released after the first) and the
-  # pipeline's K/V stages (allocated by the second) share space: 80 KB at D = 128 with 2 stages,
+  # pipeline's K/V stages (allocated by the second) share space: 85 KiB at D = 128 with 2 stages,
   # two tiles' CTAs per SM.
   def scoped(q_smem, lo_smem, hi_smem, lse_smem, bars):
     plgpu.copy_gmem_to_smem(q_g.at[b, h, rows], q_smem, bars.at[0])
@@ -167,12 +187,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
       plgpu.barrier_wait(own_bars.at[0])
       plgpu.barrier_wait(own_bars.at[1])
       # First (every real row sees its block's key 0, so m is finite afterwards).
-      r_ids, c_ids = iota((ROWS, ROWS), 0), iota((ROWS, ROWS), 1)
-      t = r_ids // groups
-      mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
-      if causal:
-        mask = mask & (c_ids % kp <= t % kp)
-      s = jnp.where(mask, scores(kb_smem, ROWS), tri._NEG)
+      s = jnp.where(block_mask(False), scores(kb_smem, ROWS), tri._NEG)
       m = s.max(axis=1)
       p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
       return times_v(p, vb_smem), m, p.sum(axis=1)
@@ -193,11 +208,8 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
       acc, m, l = carry
       kt = kt_lo + idx[0]
 
-      def seen():
-        j = kt * tk + iota((ROWS, tk), 1)
-        return (j >= lax.broadcast_in_dim(lo, j.shape, [0])) & (
-            j < lax.broadcast_in_dim(hi, j.shape, [0]))
-      s = _mask_edge_tile(scores(k_smem, tk), (kt >= int_lo) & (kt < int_hi), seen)
+      s = _mask_edge_tile(scores(k_smem, tk), (kt >= int_lo) & (kt < int_hi),
+                          lambda: _ctx_seen(kt, tk, lo, hi, interpret))
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -238,7 +250,9 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   i, h, b, rows = _query_tile_indices()
   d, dtype = q_g.shape[-1], q_g.dtype
   tiling, swizzle = _swizzled()
-  iota = lambda shape, dim: _iota(shape, dim, interpret)
+  block_mask = lambda keys_first: _own_block_mask(
+      keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+      interpret=interpret)
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
   cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
 
@@ -246,7 +260,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   mm_a = lambda lhs, rhs, shape: _mm(lhs.astype(dtype), rhs, shape, interpret, lhs_array=True)
 
   # SMEM in two nested phases as in the forward: the own blocks' K, V (their dK, dV staged in
-  # the same buffers) are released before the pipeline allocates its K/V stages (96 KB at
+  # the same buffers) are released before the pipeline allocates its K/V stages (102 KiB at
   # D = 128 with 2 stages).
   def scoped(q_smem, do_smem, lse_smem, delta_smem, lse_t_smem, delta_t_smem, lo_smem, hi_smem,
              bars):
@@ -266,11 +280,6 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t_smem, delta_t_smem))
     sq = (ROWS, ROWS)
 
-    def block_mask(keys_first):
-      r_ids, c_ids = iota(sq, 1 if keys_first else 0), iota(sq, 0 if keys_first else 1)
-      t = r_ids // groups
-      mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
-      return mask & (c_ids % kp <= t % kp) if causal else mask
 
     def own_blocks(kb_smem, vb_smem, own_bars):
       # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out;
@@ -311,11 +320,8 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     def step(idx, k_smem, v_smem, dq):
       kt = kt_lo + idx[0]
 
-      def seen():
-        j = kt * tk + iota(st, 1)
-        return (j >= rows_of(lo, st)) & (j < rows_of(hi, st))
       s = _mask_edge_tile(mm_t(q_smem, k_smem, st) * qk_scale, (kt >= int_lo) & (kt < int_hi),
-                          seen)
+                          lambda: _ctx_seen(kt, tk, lo, hi, interpret))
       p = jnp.exp2(s - rows_of(lse_c, st))
       ds = p * (mm_t(do_smem, v_smem, st) - rows_of(delta_c, st))
       return dq + mm_a(ds, k_smem, (ROWS, d))
