@@ -111,6 +111,31 @@ def _mm(lhs, rhs, shape, interpret, *, lhs_array=False, rhs_t=False):
   return pl.run_scoped(via_smem, *scratch)
 
 
+class Mm(NamedTuple):
+  """One product for _mms: acc + lhs @ rhs (rhs_t: lhs @ rhs^T) -> f32 [shape]; acc None = 0."""
+  lhs: object
+  rhs: object
+  shape: tuple
+  acc: jax.Array | None = None
+  lhs_array: bool = False
+  rhs_t: bool = False
+
+
+def _mms(*ops: Mm, interpret: bool):
+  """Independent products issued together, with one wait for all (each separate _mm waits for
+  its wgmma before the next is issued), each accumulating in place into its acc (no separate
+  add of a fresh product). The interpreter runs them one by one through _mm."""
+  if interpret:
+    out = [_mm(o.lhs, o.rhs, o.shape, True, lhs_array=o.lhs_array, rhs_t=o.rhs_t) for o in ops]
+    return [r if o.acc is None else o.acc + r for o, r in zip(ops, out)]
+
+  def issue(acc_refs):
+    for ref, o in zip(acc_refs, ops):
+      plgpu.wgmma(ref, o.lhs, o.rhs.transpose((1, 0)) if o.rhs_t else o.rhs)
+  inits = tuple(plgpu.ACC.init(_zeros(o.shape, False) if o.acc is None else o.acc) for o in ops)
+  return list(pl.run_state(issue)(inits))
+
+
 def _mask_edge_tile(s, interior, seen):
   """Scores s of one context tile: unchanged on an interior tile (every real row sees all of its
   keys: no mask is built), else masked by seen() (elementwise: may this row see this key)."""
@@ -213,7 +238,9 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + times_v(p, v_smem)
+      acc, = _mms(Mm(p.astype(dtype), v_smem, acc.shape,
+                     acc=acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), lhs_array=True),
+                  interpret=interpret)
       return acc, m_new, l * alpha + p.sum(axis=1)
 
     spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
@@ -256,8 +283,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
   cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
 
-  mm_t = lambda lhs, rhs, shape: _mm(lhs, rhs, shape, interpret, rhs_t=True)   # lhs @ rhs^T
-  mm_a = lambda lhs, rhs, shape: _mm(lhs.astype(dtype), rhs, shape, interpret, lhs_array=True)
+  mms = lambda *ops: _mms(*ops, interpret=interpret)
 
   # SMEM in two nested phases as in the forward: the own blocks' K, V (their dK, dV staged in
   # the same buffers) are released before the pipeline allocates its K/V stages (102 KiB at
@@ -289,17 +315,20 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
       plgpu.barrier_wait(own_bars.at[0])
       plgpu.barrier_wait(own_bars.at[1])
       # Rows first: dQ's share.
-      s = jnp.where(block_mask(False), mm_t(q_smem, kb_smem, sq) * qk_scale, tri._NEG)
+      s, dp = mms(Mm(q_smem, kb_smem, sq, rhs_t=True), Mm(do_smem, vb_smem, sq, rhs_t=True))
+      s = jnp.where(block_mask(False), s * qk_scale, tri._NEG)
       p = jnp.exp2(s - rows_of(lse_c, sq))
-      ds = p * (mm_t(do_smem, vb_smem, sq) - rows_of(delta_c, sq))
-      dq = mm_a(ds, kb_smem, (ROWS, d))
+      ds = p * (dp - rows_of(delta_c, sq))
       # Keys first ([keys, rows]): their dK and dV, the contraction over rows summing the G
       # query heads.
-      sT = jnp.where(block_mask(True), mm_t(kb_smem, q_smem, sq) * qk_scale, tri._NEG)
+      sT, dpT = mms(Mm(kb_smem, q_smem, sq, rhs_t=True), Mm(vb_smem, do_smem, sq, rhs_t=True))
+      sT = jnp.where(block_mask(True), sT * qk_scale, tri._NEG)
       pT = jnp.exp2(sT - cols_of(lse_r, sq))
-      dsT = pT * (mm_t(vb_smem, do_smem, sq) - cols_of(delta_r, sq))
-      dvb = mm_a(pT, do_smem, (ROWS, d))
-      dkb = mm_a(dsT, q_smem, (ROWS, d)) * scale
+      dsT = pT * (dpT - cols_of(delta_r, sq))
+      dq, dvb, dkb = mms(Mm(ds.astype(dtype), kb_smem, (ROWS, d), lhs_array=True),
+                         Mm(pT.astype(dtype), do_smem, (ROWS, d), lhs_array=True),
+                         Mm(dsT.astype(dtype), q_smem, (ROWS, d), lhs_array=True))
+      dkb = dkb * scale
       kb_smem[...] = dkb.astype(dtype)
       vb_smem[...] = dvb.astype(dtype)
       plgpu.commit_smem()
@@ -320,11 +349,13 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     def step(idx, k_smem, v_smem, dq):
       kt = kt_lo + idx[0]
 
-      s = _mask_edge_tile(mm_t(q_smem, k_smem, st) * qk_scale, (kt >= int_lo) & (kt < int_hi),
+      s, dp = mms(Mm(q_smem, k_smem, st, rhs_t=True), Mm(do_smem, v_smem, st, rhs_t=True))
+      s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
                           lambda: _ctx_seen(kt, tk, lo, hi, interpret))
       p = jnp.exp2(s - rows_of(lse_c, st))
-      ds = p * (mm_t(do_smem, v_smem, st) - rows_of(delta_c, st))
-      return dq + mm_a(ds, k_smem, (ROWS, d))
+      ds = p * (dp - rows_of(delta_c, st))
+      dq, = mms(Mm(ds.astype(dtype), k_smem, (ROWS, d), acc=dq, lhs_array=True))
+      return dq
 
     spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
                            transforms=(tiling, swizzle))
@@ -353,8 +384,7 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
   st = (tk, ROWS)
   cols_of = lambda x: lax.broadcast_in_dim(x, st, [1])
 
-  mm_t = lambda lhs, rhs, shape: _mm(lhs, rhs, shape, interpret, rhs_t=True)   # lhs @ rhs^T
-  mm_a = lambda lhs, rhs, shape: _mm(lhs.astype(dtype), rhs, shape, interpret, lhs_array=True)
+  mms = lambda *ops: _mms(*ops, interpret=interpret)
 
   def scoped(k_smem, v_smem, bars):
     plgpu.copy_gmem_to_smem(kc_g.at[b, h, keys], k_smem, bars.at[0])
@@ -376,11 +406,13 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
       def seen():
         lo, hi = (_vec(r, 1, interpret) for r in (lo_smem, hi_smem))
         return (key_ids >= cols_of(lo)) & (key_ids < cols_of(hi))
-      sT = _mask_edge_tile(mm_t(k_smem, q_smem, st) * qk_scale, (t >= ia) & (t < ib), seen)
+      sT, dpT = mms(Mm(k_smem, q_smem, st, rhs_t=True), Mm(v_smem, do_smem, st, rhs_t=True))
+      sT = _mask_edge_tile(sT * qk_scale, (t >= ia) & (t < ib), seen)
       pT = jnp.exp2(sT - cols_of(lse))
-      dv = dv + mm_a(pT, do_smem, (tk, d))
-      dsT = pT * (mm_t(v_smem, do_smem, st) - cols_of(delta))
-      return dk + mm_a(dsT, q_smem, (tk, d)), dv
+      dsT = pT * (dpT - cols_of(delta))
+      dk, dv = mms(Mm(dsT.astype(dtype), q_smem, (tk, d), acc=dk, lhs_array=True),
+                   Mm(pT.astype(dtype), do_smem, (tk, d), acc=dv, lhs_array=True))
+      return dk, dv
 
     tile = plgpu.BlockSpec(block_shape=(ROWS, d), index_map=lambda t: (qa + t, 0),
                            transforms=(tiling, swizzle))
