@@ -162,7 +162,10 @@ def _mosaic_variants():
           "keys128": MosaicConfig(fwd_keys=128, dq_keys=128),
           "stages3": MosaicConfig(fwd_stages=3, dq_stages=3, dkv_stages=3),
           "dkv3": MosaicConfig(dkv_stages=3),
-          "keys128s3": MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dkv_stages=3)}
+          "keys128s3": MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dkv_stages=3),
+          "ws": MosaicConfig(fwd_warpgroups=2),
+          "ws3": MosaicConfig(fwd_warpgroups=2, fwd_stages=3),
+          "ws128": MosaicConfig(fwd_warpgroups=2, fwd_keys=128)}
 
 
 def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", interpret=False,
@@ -297,7 +300,7 @@ def main(argv=None, torch_rows=None):
                       "backward, and forward + Mosaic GPU backward")
   p.add_argument("--mosaic-tiles", default="default",
                  help="with --mosaic: comma list of Mosaic GPU tile variants for the all-Mosaic "
-                      "rows (default, keys128, stages3, dkv3, keys128s3)")
+                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3, ws128: ws = the warp-specialised forward)")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -338,9 +341,11 @@ def main(argv=None, torch_rows=None):
         emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape, reps=args.reps,
                           interpret=args.interpret))
         for tiles in args.mosaic_tiles.split(","):
-          emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
-                            reps=args.reps, backward="mosaic", interpret=args.interpret,
-                            tiles=tiles))
+          # a forward variant also under the Triton backward (the forward's own time is there)
+          for bwd in (("triton", "mosaic") if tiles.startswith("ws") else ("mosaic",)):
+            emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
+                              reps=args.reps, backward=bwd, interpret=args.interpret,
+                              tiles=tiles))
       if args.parts:
         ms = kernel_parts(xs, idx, window=window, flops_fwd=flops, reps=args.reps, cfg=cfg,
                           interpret=args.interpret)

@@ -269,6 +269,178 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   )
 
 
+def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g,
+                       lse_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, n_kt, n_tiles,
+                       stages, interpret):
+  """The forward, warp-specialised: a CTA runs two 64-row query tiles (2i, 2i + 1), one on each
+  of two compute warpgroups, and a third warpgroup streams the context K/V tiles of both (the
+  union of their key-tile ranges) through `stages` SMEM slots with TMA. Each K/V tile read
+  serves 128 rows (half the L2 / HBM traffic of one tile a CTA), and the two compute warpgroups
+  take turns on the tensor cores (a schedule barrier: one's softmax overlaps the other's wgmma),
+  as in JAX's attention_mgpu. Where the tile count is odd the last CTA's second warpgroup
+  repeats the last tile and does not store it."""
+  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+  wg = lax.axis_index("wg")
+  d, dtype = q_g.shape[-1], q_g.dtype
+  tiling, swizzle = _swizzled()
+  kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
+  n = jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)     # steps, the same for both warpgroups
+
+  def mm(lhs, rhs, shape, *, rhs_t=False):
+    """lhs @ rhs (rhs_t: rhs^T), f32, by one wgmma on the GPU. The interpreter allocates no SMEM
+    inside a warpgroup (the operand staging of _mm), so there it is a plain f32-accumulated dot
+    of the same 16-bit values."""
+    if not interpret:
+      return _mms(Mm(lhs, rhs, shape, rhs_t=rhs_t), interpret=False)[0]
+    a = lhs if isinstance(lhs, jax.Array) else lhs[...]
+    return lax.dot_general(a, rhs[...], (((1,), (1 if rhs_t else 0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+  def kernel(q_smem2, kb_smem2, vb_smem2, k_smem, v_smem, lo_smem2, hi_smem2, lse_smem2,
+             in_bars, k_bars, v_bars, k_free, v_free, turns):
+    turn = turns.at[0]   # the compute warpgroups' alternation on the tensor cores
+
+    def take_turn():
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _compute():
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
+      t = jnp.minimum(2 * i + wg, n_tiles - 1)
+      rows = pl.ds(t * ROWS, ROWS)
+      q_smem, kb_smem, vb_smem = q_smem2.at[wg], kb_smem2.at[wg], vb_smem2.at[wg]
+      lo_smem, hi_smem, lse_smem = lo_smem2.at[wg], hi_smem2.at[wg], lse_smem2.at[wg]
+      copies = ((q_g.at[b, h, rows], q_smem), (lo_g.at[b, rows], lo_smem),
+                (hi_g.at[b, rows], hi_smem), (kb_g.at[b, h, pl.ds(t * tq, ROWS)], kb_smem),
+                (vb_g.at[b, h, pl.ds(t * tq, ROWS)], vb_smem))
+      for j, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * len(copies) + j])
+      for j in range(len(copies)):
+        plgpu.barrier_wait(in_bars.at[wg * len(copies) + j])
+      lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
+
+      # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
+      s = mm(q_smem, kb_smem, (ROWS, ROWS), rhs_t=True)
+      block_mask = _own_block_mask(keys_first=False, tq=tq, groups=groups, kp=kp,
+                                   k_real=k_real, causal=causal, interpret=interpret)
+      s = jnp.where(block_mask, s * qk_scale, tri._NEG)
+      m = s.max(axis=1)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+      l = p.sum(axis=1)
+      acc = mm(p.astype(dtype), vb_smem, (ROWS, d))
+
+      int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
+      plgpu.barrier_wait(k_bars.at[0])
+      pl.when(wg == 1)(take_turn)
+
+      def step(j, carry):
+        acc, m, l = carry
+        slot = lax.rem(j, stages)
+        kt = kt_lo + j
+        k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+        if interpret:
+          s = mm(q_smem, k_t, (ROWS, tk), rhs_t=True)
+          take_turn()
+        else:
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_t.transpose((1, 0)))
+            take_turn()
+            return acc_ref[...]
+          s = pl.run_scoped(qk, plgpu.ACC((ROWS, tk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
+                            lambda: _ctx_seen(kt, tk, lo, hi, interpret))
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_arrive(turn)                 # done with the softmax
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_wait(turn)                   # the tensor cores are free
+
+        def wait_next_k():
+          @pl.when(j + 1 < n)
+          def _():
+            plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, stages)])
+        if interpret:
+          acc = acc + mm(p16, v_t, (ROWS, d))
+          wait_next_k()
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_t)
+            wait_next_k()
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      acc, m, l = lax.fori_loop(0, n, step, (acc, m, l))
+      pl.when(wg == 0)(take_turn)
+
+      real = lo < tri._NO_ROW
+      out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+      out = jnp.where(lax.broadcast_in_dim(real, acc.shape, [0]), out, 0.0)
+      q_smem[...] = out.astype(dtype)             # the q tile's buffer holds the output
+      lse_smem[...] = jnp.where(real, m + jnp.log2(l), tri._LSE_EMPTY)
+      plgpu.commit_smem()
+
+      @pl.when(2 * i + wg < n_tiles)
+      def _store():
+        plgpu.copy_smem_to_gmem(q_smem, o_g.at[b, h, rows])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      if not interpret:
+        plgpu.set_max_registers(40, action="decrease")
+
+      def load_k(j, slot):
+        keys = pl.ds((kt_lo + j) * tk, tk)
+        plgpu.copy_gmem_to_smem(kc_g.at[b, h, keys], k_smem.at[slot], k_bars.at[slot])
+
+      def load_v(j, slot):
+        keys = pl.ds((kt_lo + j) * tk, tk)
+        plgpu.copy_gmem_to_smem(vc_g.at[b, h, keys], v_smem.at[slot], v_bars.at[slot])
+
+      for j in range(stages):
+        @pl.when(j < n)
+        def _():
+          load_k(j, j)
+          load_v(j, j)
+
+      @pl.loop(0, jnp.maximum(n - stages, 0))
+      def _(j):
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        load_k(j + stages, slot)
+        plgpu.barrier_wait(v_free.at[slot])
+        load_v(j + stages, slot)
+
+      @pl.loop(jnp.maximum(n - stages, 0), n)     # the last steps' releases: every phase of a
+      def _(j):                                    # barrier is observed before the CTA ends
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+  tile = lambda *lead: plgpu.SMEM((*lead, ROWS, d), dtype, transforms=(tiling, swizzle))
+  kv = lambda: plgpu.SMEM((stages, tk, d), dtype, transforms=(tiling, swizzle))
+  pl.run_scoped(
+      kernel, tile(2), tile(2), tile(2), kv(), kv(),
+      plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, ROWS), jnp.int32),
+      plgpu.SMEM((2, ROWS), jnp.float32),
+      plgpu.Barrier(num_barriers=10),                          # q, lo, hi, own K, V: 5 a warpgroup
+      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),   # K, V landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # K slot read by both
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # V slot read by both
+      plgpu.Barrier(num_arrivals=2, num_barriers=1),
+      collective_axes="wg")
+
+
 def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g, vb_g,
                dq_g, dkb_g, dvb_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, scale, n_kt,
                stages, interpret):
@@ -457,8 +629,11 @@ class MosaicConfig:
   dq_keys: int = 64
   dq_stages: int = 2
   dkv_stages: int = 2
+  fwd_warpgroups: int = 1     # 2: the warp-specialised forward (two 64-row tiles a CTA)
 
   def __post_init__(self):
+    if self.fwd_warpgroups not in (1, 2):
+      raise ValueError(f"fwd_warpgroups={self.fwd_warpgroups} must be 1 or 2")
     for name in ("fwd_keys", "dq_keys"):
       if getattr(self, name) not in (64, 128):
         raise ValueError(f"{name}={getattr(self, name)} must be 64 or 128")
@@ -545,17 +720,29 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
   q_rows = _to_rows(q, plan, G)
   kc_h, vc_h = (_heads_first(tri._pad_keys(x, plan)) for x in (kc, vc))
   kb_h, vb_h = (_pad_own_keys(_heads_first(tri._pad_blocks(x, plan)), plan, tq) for x in (kb, vb))
-  kernel = plgpu.kernel(
-      lambda *refs: _forward_kernel(
-          *refs, tq=tq, tk=tk, groups=G, kp=plan.Kp, k_real=st.block_size,
-          causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
-          n_kt=plan.Sp // tk, stages=st.tiles.fwd_stages, interpret=st.interpret),
-      out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-                jax.ShapeDtypeStruct((B, Hkv, q_rows.shape[2]), jnp.float32)),
-      grid=(q_rows.shape[2] // ROWS, Hkv, B), grid_names=("q", "h", "b"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret_params(st.interpret))
-  o_rows, lse = kernel(geo.ranges, geo.lo_r, geo.hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
+  n_tiles = q_rows.shape[2] // ROWS
+  out_type = (jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+              jax.ShapeDtypeStruct((B, Hkv, q_rows.shape[2]), jnp.float32))
+  kw = dict(tq=tq, tk=tk, groups=G, kp=plan.Kp, k_real=st.block_size,
+            causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
+            n_kt=plan.Sp // tk, stages=st.tiles.fwd_stages, interpret=st.interpret)
+  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=_interpret_params(st.interpret))
+  args = (geo.ranges, geo.lo_r, geo.hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
+  if st.tiles.fwd_warpgroups == 2:
+    # Key-tile ranges of tile pairs (2i, 2i + 1), an odd last tile paired with padding rows.
+    pad = (n_tiles % 2) * tq
+    lo2, hi2 = (jnp.pad(x, ((0, 0), (0, pad)), constant_values=c)
+                for x, c in ((geo.lo, tri._NO_ROW), (geo.hi, 0)))
+    pair_ranges, _ = tri._q_tile_ranges(lo2, hi2, tq=2 * tq, tk=tk)
+    o_rows, lse = plgpu.kernel(
+        lambda *refs: _forward_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
+        grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
+        thread_name="wg", **params)(pair_ranges, *args)
+  else:
+    o_rows, lse = plgpu.kernel(
+        lambda *refs: _forward_kernel(*refs, **kw), out_type=out_type,
+        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **params)(*args)
   out_p = _from_rows(o_rows, plan, G)
   return tri._unpad_blocks(out_p, plan), out_p, lse
 
