@@ -136,6 +136,31 @@ def _mms(*ops: Mm, interpret: bool):
   return list(pl.run_state(issue)(inits))
 
 
+def _ws_mms(*ops: Mm, interpret: bool, between=None):
+  """_mms inside a warp-specialised kernel: the products issued together, then between() (a
+  turn on the tensor cores, a wait for the next tile) while they run, then one wait. The
+  interpreter allocates no SMEM inside a warpgroup (_mm's operand staging), so there each is a
+  plain f32-accumulated dot of the same 16-bit values."""
+  if interpret:
+    def dot(o):
+      a = o.lhs if isinstance(o.lhs, jax.Array) else o.lhs[...]
+      r = lax.dot_general(a, o.rhs[...], (((1,), (1 if o.rhs_t else 0,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+      return r if o.acc is None else o.acc + r
+    out = [dot(o) for o in ops]
+    if between is not None:
+      between()
+    return out
+
+  def issue(acc_refs):
+    for ref, o in zip(acc_refs, ops):
+      plgpu.wgmma(ref, o.lhs, o.rhs.transpose((1, 0)) if o.rhs_t else o.rhs)
+    if between is not None:
+      between()
+  inits = tuple(plgpu.ACC.init(_zeros(o.shape, False) if o.acc is None else o.acc) for o in ops)
+  return list(pl.run_state(issue)(inits))
+
+
 def _mask_edge_tile(s, interior, seen):
   """Scores s of one context tile: unchanged on an interior tile (every real row sees all of its
   keys: no mask is built), else masked by seen() (elementwise: may this row see this key)."""
@@ -269,6 +294,38 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   )
 
 
+def _stream_kv(k_g, v_g, kt_lo, n, tk, stages, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
+               interpret):
+  """The TMA warpgroup of a warp-specialised kernel: context K/V tiles kt_lo .. kt_lo + n - 1
+  ([tk, D] of k_g / v_g) into `stages` SMEM slots, each slot reloaded once both compute
+  warpgroups released it (k_free / v_free: two arrivals)."""
+  if not interpret:
+    plgpu.set_max_registers(40, action="decrease")
+
+  def load(src, dst, bars, j, slot):
+    plgpu.copy_gmem_to_smem(src.at[pl.ds((kt_lo + j) * tk, tk)], dst.at[slot], bars.at[slot])
+
+  for j in range(stages):
+    @pl.when(j < n)
+    def _():
+      load(k_g, k_smem, k_bars, j, j)
+      load(v_g, v_smem, v_bars, j, j)
+
+  @pl.loop(0, jnp.maximum(n - stages, 0))
+  def _(j):
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_free.at[slot])
+    load(k_g, k_smem, k_bars, j + stages, slot)
+    plgpu.barrier_wait(v_free.at[slot])
+    load(v_g, v_smem, v_bars, j + stages, slot)
+
+  @pl.loop(jnp.maximum(n - stages, 0), n)     # the last steps' releases: every phase of a
+  def _(j):                                    # barrier is observed before the CTA ends
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+
+
 def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g,
                        lse_g, *, tq, tk, groups, kp, k_real, causal, qk_scale, n_kt, n_tiles,
                        stages, interpret):
@@ -286,19 +343,8 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
   kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
   n = jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)     # steps, the same for both warpgroups
 
-  def mm(lhs, rhs, shape, *, rhs_t=False):
-    """lhs @ rhs (rhs_t: rhs^T), f32, by one wgmma on the GPU. The interpreter allocates no SMEM
-    inside a warpgroup (the operand staging of _mm), so there it is a plain f32-accumulated dot
-    of the same 16-bit values."""
-    if not interpret:
-      return _mms(Mm(lhs, rhs, shape, rhs_t=rhs_t), interpret=False)[0]
-    a = lhs if isinstance(lhs, jax.Array) else lhs[...]
-    return lax.dot_general(a, rhs[...], (((1,), (1 if rhs_t else 0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-
   def kernel(q_smem2, kb_smem2, vb_smem2, k_smem, v_smem, lo_smem2, hi_smem2, lse_smem2,
-             in_bars, k_bars, v_bars, k_free, v_free, turns):
-    turn = turns.at[0]   # the compute warpgroups' alternation on the tensor cores
+             in_bars, k_bars, v_bars, k_free, v_free, turn):
 
     def take_turn():
       plgpu.barrier_arrive(turn)
@@ -322,14 +368,14 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
       lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
       # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
-      s = mm(q_smem, kb_smem, (ROWS, ROWS), rhs_t=True)
+      s, = _ws_mms(Mm(q_smem, kb_smem, (ROWS, ROWS), rhs_t=True), interpret=interpret)
       block_mask = _own_block_mask(keys_first=False, tq=tq, groups=groups, kp=kp,
                                    k_real=k_real, causal=causal, interpret=interpret)
       s = jnp.where(block_mask, s * qk_scale, tri._NEG)
       m = s.max(axis=1)
       p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
       l = p.sum(axis=1)
-      acc = mm(p.astype(dtype), vb_smem, (ROWS, d))
+      acc, = _ws_mms(Mm(p.astype(dtype), vb_smem, (ROWS, d)), interpret=interpret)
 
       int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
       plgpu.barrier_wait(k_bars.at[0])
@@ -340,15 +386,8 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
         slot = lax.rem(j, stages)
         kt = kt_lo + j
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
-        if interpret:
-          s = mm(q_smem, k_t, (ROWS, tk), rhs_t=True)
-          take_turn()
-        else:
-          def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_t.transpose((1, 0)))
-            take_turn()
-            return acc_ref[...]
-          s = pl.run_scoped(qk, plgpu.ACC((ROWS, tk), jnp.float32))
+        s, = _ws_mms(Mm(q_smem, k_t, (ROWS, tk), rhs_t=True), interpret=interpret,
+                     between=take_turn)
         plgpu.barrier_arrive(k_free.at[slot])
         s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
                             lambda: _ctx_seen(kt, tk, lo, hi, interpret))
@@ -367,14 +406,8 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
           @pl.when(j + 1 < n)
           def _():
             plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, stages)])
-        if interpret:
-          acc = acc + mm(p16, v_t, (ROWS, d))
-          wait_next_k()
-        else:
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_t)
-            wait_next_k()
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        acc, = _ws_mms(Mm(p16, v_t, (ROWS, d), acc=acc), interpret=interpret,
+                       between=wait_next_k)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -396,36 +429,8 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
 
     @pl.when(wg == 2)
     def _producer():
-      if not interpret:
-        plgpu.set_max_registers(40, action="decrease")
-
-      def load_k(j, slot):
-        keys = pl.ds((kt_lo + j) * tk, tk)
-        plgpu.copy_gmem_to_smem(kc_g.at[b, h, keys], k_smem.at[slot], k_bars.at[slot])
-
-      def load_v(j, slot):
-        keys = pl.ds((kt_lo + j) * tk, tk)
-        plgpu.copy_gmem_to_smem(vc_g.at[b, h, keys], v_smem.at[slot], v_bars.at[slot])
-
-      for j in range(stages):
-        @pl.when(j < n)
-        def _():
-          load_k(j, j)
-          load_v(j, j)
-
-      @pl.loop(0, jnp.maximum(n - stages, 0))
-      def _(j):
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        load_k(j + stages, slot)
-        plgpu.barrier_wait(v_free.at[slot])
-        load_v(j + stages, slot)
-
-      @pl.loop(jnp.maximum(n - stages, 0), n)     # the last steps' releases: every phase of a
-      def _(j):                                    # barrier is observed before the CTA ends
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+      _stream_kv(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages, k_smem, v_smem, k_bars,
+                 v_bars, k_free, v_free, interpret)
 
   tile = lambda *lead: plgpu.SMEM((*lead, ROWS, d), dtype, transforms=(tiling, swizzle))
   kv = lambda: plgpu.SMEM((stages, tk, d), dtype, transforms=(tiling, swizzle))
@@ -437,7 +442,7 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),   # K, V landed
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # K slot read by both
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # V slot read by both
-      plgpu.Barrier(num_arrivals=2, num_barriers=1),
+      plgpu.Barrier(num_arrivals=2),     # the compute warpgroups' turns on the tensor cores
       collective_axes="wg")
 
 
