@@ -549,6 +549,130 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
                 vec(jnp.int32), plgpu.Barrier(num_barriers=8))
 
 
+def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g,
+                  kb_g, vb_g, dq_g, dkb_g, dvb_g, *, tq, tk, groups, kp, k_real, causal, qk_scale,
+                  scale, n_kt, n_tiles, stages, interpret):
+  """dQ (+ the own blocks' dK/dV), warp-specialised as _forward_ws_kernel: query tiles 2i and
+  2i + 1 on two compute warpgroups taking turns on the tensor cores, the context K/V tiles of both
+  streamed by a TMA warpgroup."""
+  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+  wg = lax.axis_index("wg")
+  d, dtype = q_g.shape[-1], q_g.dtype
+  tiling, swizzle = _swizzled()
+  kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
+  n = jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)     # steps, the same for both warpgroups
+  n_in = 10                                              # input copies of a compute warpgroup
+  rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
+  cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
+
+  def kernel(q_smem2, do_smem2, kb_smem2, vb_smem2, k_smem, v_smem, vec_f2, vec_i2, in_bars,
+             k_bars, v_bars, k_free, v_free, turn):
+    def take_turn():
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+    mms = lambda *ops, between=None: _ws_mms(*ops, interpret=interpret, between=between)
+
+    @pl.when(wg < 2)
+    def _compute():
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
+      t = jnp.minimum(2 * i + wg, n_tiles - 1)
+      store = 2 * i + wg < n_tiles
+      rows = pl.ds(t * ROWS, ROWS)
+      own = pl.ds(t * tq, ROWS)
+      q_smem, do_smem, kb_smem, vb_smem = (x.at[wg] for x in (q_smem2, do_smem2, kb_smem2,
+                                                               vb_smem2))
+      # lse and delta twice: one copy read per row of a rows-first tile, one per column of a
+      # keys-first one (one buffer in two register layouts fails JAX 0.11's layout inference)
+      lse_s, delta_s, lse_t, delta_t = (vec_f2.at[wg, j] for j in range(4))
+      lo_s, hi_s = vec_i2.at[wg, 0], vec_i2.at[wg, 1]
+      copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
+                (lse_g.at[b, h, rows], lse_s), (delta_g.at[b, h, rows], delta_s),
+                (lse_g.at[b, h, rows], lse_t), (delta_g.at[b, h, rows], delta_t),
+                (lo_g.at[b, rows], lo_s), (hi_g.at[b, rows], hi_s),
+                (kb_g.at[b, h, own], kb_smem), (vb_g.at[b, h, own], vb_smem))
+      for j, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
+      for j in range(n_in):
+        plgpu.barrier_wait(in_bars.at[wg * n_in + j])
+      lse_c, delta_c, lo, hi = (_vec(r, 0, interpret) for r in (lse_s, delta_s, lo_s, hi_s))
+      lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t, delta_t))
+      block_mask = lambda keys_first: _own_block_mask(
+          keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+          interpret=interpret)
+      sq = (ROWS, ROWS)
+
+      # The own blocks: dQ's share, then (keys first) their dK and dV.
+      s, dp = mms(Mm(q_smem, kb_smem, sq, rhs_t=True), Mm(do_smem, vb_smem, sq, rhs_t=True))
+      s = jnp.where(block_mask(False), s * qk_scale, tri._NEG)
+      ds = jnp.exp2(s - rows_of(lse_c, sq)) * (dp - rows_of(delta_c, sq))
+      sT, dpT = mms(Mm(kb_smem, q_smem, sq, rhs_t=True), Mm(vb_smem, do_smem, sq, rhs_t=True))
+      sT = jnp.where(block_mask(True), sT * qk_scale, tri._NEG)
+      pT = jnp.exp2(sT - cols_of(lse_r, sq))
+      dsT = pT * (dpT - cols_of(delta_r, sq))
+      dq, dvb, dkb = mms(Mm(ds.astype(dtype), kb_smem, (ROWS, d)),
+                         Mm(pT.astype(dtype), do_smem, (ROWS, d)),
+                         Mm(dsT.astype(dtype), q_smem, (ROWS, d)))
+      kb_smem[...] = (dkb * scale).astype(dtype)
+      vb_smem[...] = dvb.astype(dtype)
+      plgpu.commit_smem()
+
+      @pl.when(store)
+      def _():
+        plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(t * tq, tq)])
+        plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(t * tq, tq)])
+
+      int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
+      st = (ROWS, tk)
+      pl.when(wg == 1)(take_turn)
+
+      def step(j, dq):
+        slot = lax.rem(j, stages)
+        kt = kt_lo + j
+        k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+        plgpu.barrier_wait(k_bars.at[slot])
+        plgpu.barrier_wait(v_bars.at[slot])
+        s, dp = mms(Mm(q_smem, k_t, st, rhs_t=True), Mm(do_smem, v_t, st, rhs_t=True),
+                    between=take_turn)
+        plgpu.barrier_arrive(v_free.at[slot])
+        s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
+                            lambda: _ctx_seen(kt, tk, lo, hi, interpret))
+        ds = (jnp.exp2(s - rows_of(lse_c, st)) * (dp - rows_of(delta_c, st))).astype(dtype)
+        dq, ds = lax.optimization_barrier((dq, ds))
+        plgpu.barrier_arrive(turn)                 # done with the elementwise part
+        plgpu.barrier_wait(turn)                   # the tensor cores are free
+        dq, = mms(Mm(ds, k_t, (ROWS, d), acc=dq))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return dq
+
+      dq = lax.fori_loop(0, n, step, dq)
+      pl.when(wg == 0)(take_turn)
+      q_smem[...] = (dq * scale).astype(dtype)          # the q tile's buffer holds dQ
+      plgpu.commit_smem()
+
+      @pl.when(store)
+      def _():
+        plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      _stream_kv(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages, k_smem, v_smem, k_bars,
+                 v_bars, k_free, v_free, interpret)
+
+  tile = lambda *lead: plgpu.SMEM((*lead, ROWS, d), dtype, transforms=(tiling, swizzle))
+  kv = lambda: plgpu.SMEM((stages, tk, d), dtype, transforms=(tiling, swizzle))
+  pl.run_scoped(
+      kernel, tile(2), tile(2), tile(2), tile(2), kv(), kv(),
+      plgpu.SMEM((2, 4, ROWS), jnp.float32), plgpu.SMEM((2, 2, ROWS), jnp.int32),
+      plgpu.Barrier(num_barriers=2 * n_in),
+      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),   # K, V landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # K slot read by both
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # V slot read by both
+      plgpu.Barrier(num_arrivals=2),     # the compute warpgroups' turns on the tensor cores
+      collective_axes="wg")
+
+
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
                 tk, qk_scale, scale, n_qt, stages, interpret):
   """dK, dV of one context key tile over the query tiles that may see it (keys first, [TK, R]:
@@ -635,10 +759,12 @@ class MosaicConfig:
   dq_stages: int = 2
   dkv_stages: int = 2
   fwd_warpgroups: int = 1     # 2: the warp-specialised forward (two 64-row tiles a CTA)
+  dq_warpgroups: int = 1      # 2: the warp-specialised dQ kernel
 
   def __post_init__(self):
-    if self.fwd_warpgroups not in (1, 2):
-      raise ValueError(f"fwd_warpgroups={self.fwd_warpgroups} must be 1 or 2")
+    for name in ("fwd_warpgroups", "dq_warpgroups"):
+      if getattr(self, name) not in (1, 2):
+        raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
     for name in ("fwd_keys", "dq_keys"):
       if getattr(self, name) not in (64, 128):
         raise ValueError(f"{name}={getattr(self, name)} must be 64 or 128")
@@ -683,6 +809,16 @@ def _geometry(st, q_shape, kc_shape, anchors, doc_start, valid, tk=KEYS) -> _Geo
   ranges, any_row = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
   lo_r, hi_r = (jnp.repeat(x, G, axis=1) for x in (lo, hi))
   return _Geometry(plan, tq, lo, hi, lo_r, hi_r, ranges, any_row)
+
+
+def _pair_ranges(geo, n_tiles, tk):
+  """Key-tile ranges [B, ceil(n_tiles / 2), 4] of the query-tile pairs (2i, 2i + 1) of a
+  warp-specialised kernel (the union of the two tiles' ranges); an odd last tile is paired with
+  padding rows."""
+  pad = (n_tiles % 2) * geo.tq
+  lo2, hi2 = (jnp.pad(x, ((0, 0), (0, pad)), constant_values=c)
+              for x, c in ((geo.lo, tri._NO_ROW), (geo.hi, 0)))
+  return tri._q_tile_ranges(lo2, hi2, tq=2 * geo.tq, tk=tk)[0]
 
 
 def _to_rows(x, plan, G):
@@ -735,15 +871,10 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
                 interpret=_interpret_params(st.interpret))
   args = (geo.ranges, geo.lo_r, geo.hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
   if st.tiles.fwd_warpgroups == 2:
-    # Key-tile ranges of tile pairs (2i, 2i + 1), an odd last tile paired with padding rows.
-    pad = (n_tiles % 2) * tq
-    lo2, hi2 = (jnp.pad(x, ((0, 0), (0, pad)), constant_values=c)
-                for x, c in ((geo.lo, tri._NO_ROW), (geo.hi, 0)))
-    pair_ranges, _ = tri._q_tile_ranges(lo2, hi2, tq=2 * tq, tk=tk)
     o_rows, lse = plgpu.kernel(
         lambda *refs: _forward_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
         grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
-        thread_name="wg", **params)(pair_ranges, *args)
+        thread_name="wg", **params)(_pair_ranges(geo, n_tiles, tk), *args)
   else:
     o_rows, lse = plgpu.kernel(
         lambda *refs: _forward_kernel(*refs, **kw), out_type=out_type,
@@ -775,14 +906,21 @@ def _backward(st, res, dout):
   params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=_interpret_params(st.interpret))
   blk = jax.ShapeDtypeStruct((B, Hkv, Qp, D), q.dtype)
-  dq_rows, dkb, dvb = plgpu.kernel(
-      lambda *refs: _dq_kernel(
-          *refs, tq=tq, tk=tk_dq, groups=G, kp=plan.Kp, k_real=st.block_size,
-          causal=st.window is not None, qk_scale=qk_scale, scale=st.scale,
-          n_kt=plan.Sp // tk_dq, stages=st.tiles.dq_stages, interpret=st.interpret),
-      out_type=(jax.ShapeDtypeStruct(q_rows.shape, q.dtype), blk, blk),
-      grid=(n_rows // ROWS, Hkv, B), grid_names=("q", "h", "b"), **params)(
-          ranges_dq, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
+  kw = dict(tq=tq, tk=tk_dq, groups=G, kp=plan.Kp, k_real=st.block_size,
+            causal=st.window is not None, qk_scale=qk_scale, scale=st.scale,
+            n_kt=plan.Sp // tk_dq, stages=st.tiles.dq_stages, interpret=st.interpret)
+  out_type = (jax.ShapeDtypeStruct(q_rows.shape, q.dtype), blk, blk)
+  args = (ranges_dq, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
+  n_tiles = n_rows // ROWS
+  if st.tiles.dq_warpgroups == 2:
+    dq_rows, dkb, dvb = plgpu.kernel(
+        lambda *refs: _dq_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
+        grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
+        thread_name="wg", **params)(_pair_ranges(geo, n_tiles, tk_dq), *args)
+  else:
+    dq_rows, dkb, dvb = plgpu.kernel(
+        lambda *refs: _dq_kernel(*refs, **kw), out_type=out_type,
+        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **params)(*args)
   k_ranges = tri._k_tile_ranges(geo.ranges, geo.any_row, nkt=n_kt)
   ctx = jax.ShapeDtypeStruct(kc_h.shape, q.dtype)
   dkc, dvc = plgpu.kernel(

@@ -54,17 +54,23 @@ def test_mosaic_backward_lowers_for_cuda(head_dim, window, Hq, Hkv):
 
 
 @pytest.mark.parametrize("head_dim,window,Hq,Hkv,N", [
-    (128, 2048, 32, 8, 8), (64, None, 8, 2, 8), (64, 1, 4, 4, 12), (128, None, 4, 2, 8)])
+    (128, 2048, 32, 8, 8), (64, None, 8, 2, 8), (64, 1, 4, 4, 12), (128, None, 4, 2, 8),
+    (64, None, 9, 3, 8)])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_warp_specialised_forward_lowers_for_cuda(head_dim, window, Hq, Hkv, N, stages):
-  """fwd_warpgroups=2: two compute warpgroups and a TMA warpgroup (N = 12 with G = 1: an odd
-  number of 64-row tiles, the last CTA's second warpgroup repeating the last tile)."""
-  fwd = lambda *x: mg.dflash_forward_mosaic(
-      *x, block_size=16, window=window,
-      tiles=mg.MosaicConfig(fwd_warpgroups=2, fwd_stages=stages))
-  text = jax.jit(fwd).trace(*_args(16, head_dim, Hq, Hkv, N=N)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered program"
+def test_warp_specialised_kernels_lower_for_cuda(head_dim, window, Hq, Hkv, N, stages):
+  """fwd_warpgroups=2, dq_warpgroups=2: two compute warpgroups and a TMA warpgroup in the
+  forward and dQ kernels (N = 12 with G = 1: an odd number of 64-row tiles, the last CTA's
+  second warpgroup repeating the last tile), within an SM's shared memory (dQ's 3 stages at
+  head size 128 exceed it by 264 bytes: 2 there)."""
+  tiles = mg.MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2, fwd_stages=stages,
+                          dq_stages=stages if head_dim < 128 else 2)
+  def loss(*x):
+    out = mg.dflash_attention_mosaic(*x, block_size=16, window=window, backward="mosaic",
+                                     tiles=tiles)
+    return jnp.sum(out.astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+      *_args(16, head_dim, Hq, Hkv, N=N)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3, "fewer than three Mosaic GPU kernels"
 
 
 @pytest.mark.parametrize("tiles", [dict(fwd_keys=128, dq_keys=128, dkv_stages=3),
@@ -163,20 +169,29 @@ def test_interpreted_kernels_match_the_reference(case):
 
 
 @pytest.mark.parametrize("case", [INTERPRET_CASES[0], INTERPRET_CASES[2]], ids=str)
-def test_interpreted_warp_specialised_forward_matches_the_reference(case):
-  """fwd_warpgroups=2 (two compute warpgroups on tiles 2i, 2i + 1 and a TMA warpgroup; the
-  interpreter runs the three as threads and checks every barrier phase is observed): out against
-  reference.py, the lse against the one-warpgroup forward's. The first case has 3 tiles (the
-  last CTA's second warpgroup repeats tile 2 and stores nothing)."""
+def test_interpreted_warp_specialised_kernels_match_the_reference(case):
+  """fwd_warpgroups=2, dq_warpgroups=2 (two compute warpgroups on tiles 2i, 2i + 1 and a TMA
+  warpgroup; the interpreter runs the three as threads and checks that every barrier phase is
+  observed): out and all five gradients against reference.py, the lse against the
+  one-warpgroup forward's. The first case has 3 tiles (the last CTA's second warpgroup repeats
+  tile 2 and stores nothing)."""
   (q, kc, vc, kb, vb), idx = make_inputs(case, seed=7)
-  kw = dict(block_size=case.block_size, window=case.window, interpret=True)
-  out, lse = mg.dflash_forward_mosaic(q, kc, vc, kb, vb, *idx, **kw,
-                                      tiles=mg.MosaicConfig(fwd_warpgroups=2))
-  _, lse1 = mg.dflash_forward_mosaic(q, kc, vc, kb, vb, *idx, **kw)
+  kw = dict(block_size=case.block_size, window=case.window)
+  tiles = mg.MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2)
+  ct = jax.random.normal(jax.random.PRNGKey(3), q.shape, jnp.float32)
+
+  def fwd_bwd(fn, *x):
+    out, vjp = jax.vjp(fn, *x)
+    return out, vjp(ct.astype(out.dtype))
+  out, grads = fwd_bwd(lambda *y: mg.dflash_attention_mosaic(
+      *y, *idx, **kw, backward="mosaic", interpret=True, tiles=tiles), q, kc, vc, kb, vb)
   f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
-  ref = reference.dflash_attention_reference(*f32, *idx, block_size=case.block_size,
-                                             window=case.window)
-  _assert_close(out, ref, what="out", **TOLERANCES["bfloat16"])
+  ref_out, ref = fwd_bwd(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
+  _assert_close(out, ref_out, what="out", **TOLERANCES["bfloat16"])
+  for name, a, b in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref):
+    _assert_close(a, b, what=name, **TOLERANCES["bfloat16"])
+  _, lse = mg.dflash_forward_mosaic(q, kc, vc, kb, vb, *idx, **kw, interpret=True, tiles=tiles)
+  _, lse1 = mg.dflash_forward_mosaic(q, kc, vc, kb, vb, *idx, **kw, interpret=True)
   real = np.asarray(lse1) < 1e29
   np.testing.assert_allclose(np.asarray(lse)[real], np.asarray(lse1)[real], atol=1e-3, rtol=1e-5)
   assert np.all(np.asarray(lse)[~real] > 1e29), "rows that see nothing must keep the empty lse"
@@ -305,9 +320,12 @@ def test_forward_matches_the_reference_and_the_triton_forward(case, warpgroups):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backward", ["triton", "mosaic"])
+@pytest.mark.parametrize("backward", ["triton", "mosaic", "mosaic-ws"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_forward_and_backward_match_the_reference(case, backward):
+  """mosaic-ws: the warp-specialised forward and dQ kernels."""
+  tiles = mg.MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2) if backward == "mosaic-ws" else None
+  backward = backward.removesuffix("-ws")
   (q, kc, vc, kb, vb), idx = make_inputs(case, seed=6)
   kw = dict(block_size=case.block_size, window=case.window)
   ct = jax.random.normal(jax.random.PRNGKey(2), q.shape, q.dtype)
@@ -316,7 +334,8 @@ def test_forward_and_backward_match_the_reference(case, backward):
     out, vjp = jax.vjp(fn, *x)
     return out, vjp(ct.astype(out.dtype))   # JAX 0.11 wants the cotangent in the output's dtype
   out, grads = jax.jit(lambda *x: fwd_bwd(
-      lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward=backward), *x))(
+      lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward=backward, tiles=tiles),
+      *x))(
           q, kc, vc, kb, vb)
   f32 = [x.astype(jnp.float32) for x in (q, kc, vc, kb, vb)]
   ref_out, ref = fwd_bwd(lambda *y: reference.dflash_attention_reference(*y, *idx, **kw), *f32)
