@@ -5,8 +5,9 @@
 # Run from the repo root on a GPU machine that has jax/flax/optax/orbax/torch/transformers:
 #   bash scripts/h200_checks.sh kernel          # pytest -m gpu for the Pallas kernel + kernel bench
 #   bash scripts/h200_checks.sh kernel-tests kernel-smollm2   # the tests, the SmolLM2-shaped bench
-#   bash scripts/h200_checks.sh mosaic          # the Mosaic GPU kernels: GPU tests, then the kernel
-#                                               # bench (27B and SmolLM2 shapes) against Triton
+#   bash scripts/h200_checks.sh mosaic          # the Mosaic GPU kernels: the kernel bench against
+#                                               # Triton (sliding 8k, full 64k), then GPU tests
+#   bash scripts/h200_checks.sh mosaic-step     # the 27b-8k JAX step, default vs --attention mosaic
 #   bash scripts/h200_checks.sh parity          # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
 #   bash scripts/h200_checks.sh memory          # predicted vs measured peak, 27B 8k/64k, budget 131k
 #   bash scripts/h200_checks.sh bench           # full step JAX vs both PyTorch rows, 27b-8k
@@ -30,7 +31,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LIMIT=${LIMIT:-570}    # seconds for a whole part
-[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic parity memory bench bench-all" \
+[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic mosaic-step parity memory bench bench-all" \
                       "bench-8k bench-remat bench-8b bench-32k bench-64k cublas"; exit 2; }
 
 part_cmds() {
@@ -48,14 +49,18 @@ part_cmds() {
       run timeout 300 python3 -m bridge.twin.bench_attention --budget-s 200 ;;
     mosaic)         # the Mosaic GPU kernels (mosaic_gpu.py): out and gradients against the
                     # reference, then timed beside the Triton kernel after matching its outputs
-      run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
-          -p no:cacheprovider
+      # (one H100, 2026-12-05: the tests ~3 min with the warp-specialised cases, 8k ~1.5 min)
+      run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+          --shapes 8192x1024 --mosaic-tiles default,ws
       run timeout 150 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 8192x1024 --mosaic-tiles default,keys128,stages3,dkv3
-      run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 65536x2048
-      run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --heads 9/3 --head-dim 64 --shapes 2048x512 --layers full ;;
+          --shapes 65536x2048 --layers full --mosaic-tiles default,ws
+      run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
+          -p no:cacheprovider ;;
+    mosaic-step)    # the 27B drafter's whole step with the Mosaic GPU kernels beside the default
+      run timeout 280 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
+          --json "$OUT/bench-step-default.json"
+      run timeout 280 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
+          --attention mosaic --json "$OUT/bench-step-mosaic.json" ;;
     kernel-smollm2) # the SmolLM2 recipe's attention (9/3 heads, head size 64, a 2048-token row
                     # with 512 anchors): the kernel against the dense XLA path it used to take
       run timeout 200 python3 -m pallas_kernels.dflash_attention.bench --heads 9/3 --head-dim 64 \

@@ -73,6 +73,10 @@ def _check(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block
         raise ValueError(f"anchors of row {b} are not sorted; sort valid anchors ascending")
 
 
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
 def default_implementation() -> str:
   try:
     if jax.default_backend() == "gpu":
@@ -103,7 +107,7 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
     from pallas_kernels.dflash_attention import mosaic_gpu
     if backward not in (None, "mosaic"):
       raise ValueError(f"backward={backward!r}: the mosaic implementation has its own backward")
-    if not interpret and jax.default_backend() != "gpu":
+    if not interpret and not _on_gpu():
       raise ValueError("implementation='mosaic' runs on an NVIDIA Hopper GPU (H100/H200), and JAX "
                        f"sees {jax.default_backend()!r}: leave the implementation unset (the "
                        "best available), or pass interpret=True to interpret it on a CPU")

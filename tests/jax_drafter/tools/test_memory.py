@@ -163,6 +163,19 @@ def test_gpu_plan_cannot_be_compiled_on_a_cpu_machine():
     lowered.compile()
 
 
+def test_the_step_lowers_for_cuda_with_the_mosaic_kernels(monkeypatch):
+  """train.attention=mosaic: the whole train step (forward, backward, optimizer) lowers for CUDA
+  with the Mosaic GPU kernels in place of the Triton ones (Mosaic GPU's layout inference and
+  TMA checks run at lowering). The API refuses mosaic where JAX sees no GPU; here the lowering
+  targets one."""
+  from pallas_kernels.dflash_attention import api
+  monkeypatch.setattr(api, "_on_gpu", lambda: True)
+  jitted, args, _ = plans.abstract_inputs(plans.build_plan("tiny", ["train.attention=mosaic"]))
+  text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  assert "__gpu$xla.gpu.triton" not in text, "a Triton kernel in the mosaic step"
+
+
 def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
   # One compile for both (CPU compiles are slow): the [C, V] chunk logits become [2C, 2V].
   plan = _plan()
