@@ -20,20 +20,24 @@ unmasked loop). The forward and dQ kernels run their own blocks in a scope of th
 pipeline's K/V stages reuse those buffers: shared memory at head size 128 with the default
 MosaicConfig (from the lowering, tests/pallas_kernels/test_mosaic_gpu.py) is 85 KiB for the
 forward and 102 KiB for dQ, so two tiles' CTAs share an SM and one's softmax overlaps the other's
-wgmma (no warp specialisation yet).
+wgmma.
 
-Status (2026-12-05): written on a CPU machine, never run on a GPU, so api.py selects none of it.
-On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against reference.py on
-the mask's edge cases (interpret=True: register operands and transposed views go through SMEM
-buffers there, and layouts are left out; the GPU path is otherwise the same code) and lower them
-for CUDA, which runs Mosaic GPU's layout inference and TMA checks. Lane semantics with explicit
-WGMMA layouts (the Warpgroup semantics failed layout inference on these kernels). The GPU
-machine's JAX 0.11 infers SMEM transforms the CPU's 0.10 does not check: the CUDA lowering tests
-also pass there (`bash scripts/lower_with_gpu_jax.sh [--all]`: a Python 3.12 venv with
-jax==0.11.2 on a CPU, deprecations as errors),
-after two changes they asked for: K is read [keys, D] and transposed as a view (a K^T slab
-sliced at a block's 16-key offset failed the 64-wide swizzle's divisibility), and dQ reads lse
-and delta from two buffers, one per register layout.
+MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2) selects warp-specialised forward and dQ kernels:
+two compute warpgroups on query tiles 2i and 2i + 1 share the context K/V tiles that a third
+(TMA) warpgroup streams over the union of their ranges, and take turns on the tensor cores.
+
+Status (2026-12-05, one H100, benchmarks/h100-2026-12-05c-mosaic-on-gpu/): correct on the GPU
+(tests and the bench's checks against the Triton kernel). Sliding 8k fwd+bwd, all Mosaic: 284
+useful TF/s against the Triton kernel's 265 (independent products issued together, `_mms`); the
+warp-specialised forward is the fastest forward (336 against 312 TF/s), its dQ is slower than
+the one-warpgroup dQ. The one-warpgroup forward loses on a long full layer (65k: 254 against 407
+TF/s). api.py selects these kernels only by name until the whole training step has been timed
+with them. On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against
+reference.py on the mask's edge cases (interpret=True: register operands and transposed views go
+through SMEM buffers there, or plain dots inside a warp-specialised kernel, and layouts are left
+out; the GPU path is otherwise the same code) and lower them for CUDA under both JAX versions we
+meet (`bash scripts/lower_with_gpu_jax.sh [--all]`), which runs Mosaic GPU's layout inference,
+TMA checks and shared-memory count. Lane semantics with explicit WGMMA layouts.
 """
 from __future__ import annotations
 
