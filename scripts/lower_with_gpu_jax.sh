@@ -20,7 +20,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" numpy pytest
 fi
 "$VENV/bin/python" -c "import jax; print('jax', jax.__version__)"
-K="lowers or refuse or two_ctas or variants"
+K="lowers or warp_specialised_kernels_lower or refuse or two_ctas or variants"
 [ "${1:-}" = "--all" ] && K="$K or interpreted or api or entry"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -W error::DeprecationWarning \
     tests/pallas_kernels/test_mosaic_gpu.py -k "$K"

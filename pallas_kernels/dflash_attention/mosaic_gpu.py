@@ -298,36 +298,65 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   )
 
 
-def _stream_kv(k_g, v_g, kt_lo, n, tk, stages, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
-               interpret):
-  """The TMA warpgroup of a warp-specialised kernel: context K/V tiles kt_lo .. kt_lo + n - 1
-  ([tk, D] of k_g / v_g) into `stages` SMEM slots, each slot reloaded once both compute
-  warpgroups released it (k_free / v_free: two arrivals)."""
-  if not interpret:
-    plgpu.set_max_registers(40, action="decrease")
+class _KvStream(NamedTuple):
+  """The context K/V stream of a warp-specialised kernel: `stages` SMEM slots of [tk, D] K and V
+  tiles, their TMA barriers (landed), their release barriers (free: both compute warpgroups
+  arrive) and the barrier by which the compute warpgroups take turns on the tensor cores."""
+  k: object
+  v: object
+  k_landed: object
+  v_landed: object
+  k_free: object
+  v_free: object
+  turn: object
 
-  def load(src, dst, bars, j, slot):
-    plgpu.copy_gmem_to_smem(src.at[pl.ds((kt_lo + j) * tk, tk)], dst.at[slot], bars.at[slot])
+  @staticmethod
+  def scratch(stages, tk, d, dtype):
+    kv = plgpu.SMEM((stages, tk, d), dtype, transforms=_swizzled())
+    return (kv, kv, plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
 
-  for j in range(stages):
-    @pl.when(j < n)
-    def _():
-      load(k_g, k_smem, k_bars, j, j)
-      load(v_g, v_smem, v_bars, j, j)
+  def take_turn(self):
+    plgpu.barrier_arrive(self.turn)
+    plgpu.barrier_wait(self.turn)
 
-  @pl.loop(0, jnp.maximum(n - stages, 0))
-  def _(j):
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(k_free.at[slot])
-    load(k_g, k_smem, k_bars, j + stages, slot)
-    plgpu.barrier_wait(v_free.at[slot])
-    load(v_g, v_smem, v_bars, j + stages, slot)
+  def produce(self, k_g, v_g, kt_lo, n, tk, stages, interpret):
+    """The TMA warpgroup: context K/V tiles kt_lo .. kt_lo + n - 1 ([tk, D] of k_g / v_g) into
+    the slots, each slot reloaded once both compute warpgroups released it."""
+    if not interpret:
+      plgpu.set_max_registers(40, action="decrease")
 
-  @pl.loop(jnp.maximum(n - stages, 0), n)     # the last steps' releases: every phase of a
-  def _(j):                                    # barrier is observed before the CTA ends
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(k_free.at[slot])
-    plgpu.barrier_wait(v_free.at[slot])
+    def load(src, dst, bars, j, slot):
+      plgpu.copy_gmem_to_smem(src.at[pl.ds((kt_lo + j) * tk, tk)], dst.at[slot], bars.at[slot])
+
+    for j in range(stages):
+      @pl.when(j < n)
+      def _():
+        load(k_g, self.k, self.k_landed, j, j)
+        load(v_g, self.v, self.v_landed, j, j)
+
+    @pl.loop(0, jnp.maximum(n - stages, 0))
+    def _(j):
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(self.k_free.at[slot])
+      load(k_g, self.k, self.k_landed, j + stages, slot)
+      plgpu.barrier_wait(self.v_free.at[slot])
+      load(v_g, self.v, self.v_landed, j + stages, slot)
+
+    @pl.loop(jnp.maximum(n - stages, 0), n)     # the last steps' releases: every phase of a
+    def _(j):                                    # barrier is observed before the CTA ends
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(self.k_free.at[slot])
+      plgpu.barrier_wait(self.v_free.at[slot])
+
+
+def _pair_indices(pair_ranges_g, n_kt):
+  """(i, h, b, wg, kt_lo, n) of a warp-specialised kernel on the grid ("q", "h", "b") x "wg":
+  the context key tiles kt_lo .. kt_lo + n - 1 of its query-tile pair (at least one)."""
+  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+  kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
+  return i, h, b, lax.axis_index("wg"), kt_lo, jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)
 
 
 def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g,
@@ -340,19 +369,13 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
   take turns on the tensor cores (a schedule barrier: one's softmax overlaps the other's wgmma),
   as in JAX's attention_mgpu. Where the tile count is odd the last CTA's second warpgroup
   repeats the last tile and does not store it."""
-  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-  wg = lax.axis_index("wg")
+  i, h, b, wg, kt_lo, n = _pair_indices(pair_ranges_g, n_kt)   # n: the same for both warpgroups
   d, dtype = q_g.shape[-1], q_g.dtype
-  tiling, swizzle = _swizzled()
-  kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
-  n = jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)     # steps, the same for both warpgroups
 
-  def kernel(q_smem2, kb_smem2, vb_smem2, k_smem, v_smem, lo_smem2, hi_smem2, lse_smem2,
-             in_bars, k_bars, v_bars, k_free, v_free, turn):
-
-    def take_turn():
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(turn)
+  def kernel(q_smem2, kb_smem2, vb_smem2, lo_smem2, hi_smem2, lse_smem2, in_bars, *stream):
+    kv = _KvStream(*stream)
+    k_smem, v_smem, k_bars, v_bars, k_free, v_free, turn = kv
+    take_turn = kv.take_turn
 
     @pl.when(wg < 2)
     def _compute():
@@ -431,23 +454,15 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
         plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _producer():
-      _stream_kv(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages, k_smem, v_smem, k_bars,
-                 v_bars, k_free, v_free, interpret)
+    pl.when(wg == 2)(lambda: kv.produce(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages,
+                                        interpret))
 
-  tile = lambda *lead: plgpu.SMEM((*lead, ROWS, d), dtype, transforms=(tiling, swizzle))
-  kv = lambda: plgpu.SMEM((stages, tk, d), dtype, transforms=(tiling, swizzle))
+  tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
   pl.run_scoped(
-      kernel, tile(2), tile(2), tile(2), kv(), kv(),
-      plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, ROWS), jnp.int32),
-      plgpu.SMEM((2, ROWS), jnp.float32),
+      kernel, tile, tile, tile, plgpu.SMEM((2, ROWS), jnp.int32),
+      plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32),
       plgpu.Barrier(num_barriers=10),                          # q, lo, hi, own K, V: 5 a warpgroup
-      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),   # K, V landed
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # K slot read by both
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # V slot read by both
-      plgpu.Barrier(num_arrivals=2),     # the compute warpgroups' turns on the tensor cores
-      collective_axes="wg")
+      *_KvStream.scratch(stages, tk, d, dtype), collective_axes="wg")
 
 
 def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g, vb_g,
@@ -559,21 +574,16 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
   """dQ (+ the own blocks' dK/dV), warp-specialised as _forward_ws_kernel: query tiles 2i and
   2i + 1 on two compute warpgroups taking turns on the tensor cores, the context K/V tiles of both
   streamed by a TMA warpgroup."""
-  i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-  wg = lax.axis_index("wg")
+  i, h, b, wg, kt_lo, n = _pair_indices(pair_ranges_g, n_kt)   # n: the same for both warpgroups
   d, dtype = q_g.shape[-1], q_g.dtype
-  tiling, swizzle = _swizzled()
-  kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
-  n = jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)     # steps, the same for both warpgroups
   n_in = 10                                              # input copies of a compute warpgroup
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
   cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
 
-  def kernel(q_smem2, do_smem2, kb_smem2, vb_smem2, k_smem, v_smem, vec_f2, vec_i2, in_bars,
-             k_bars, v_bars, k_free, v_free, turn):
-    def take_turn():
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(turn)
+  def kernel(q_smem2, do_smem2, kb_smem2, vb_smem2, vec_f2, vec_i2, in_bars, *stream):
+    kv = _KvStream(*stream)
+    k_smem, v_smem, k_bars, v_bars, k_free, v_free, turn = kv
+    take_turn = kv.take_turn
     mms = lambda *ops, between=None: _ws_mms(*ops, interpret=interpret, between=between)
 
     @pl.when(wg < 2)
@@ -659,22 +669,14 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
         plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _producer():
-      _stream_kv(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages, k_smem, v_smem, k_bars,
-                 v_bars, k_free, v_free, interpret)
+    pl.when(wg == 2)(lambda: kv.produce(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages,
+                                        interpret))
 
-  tile = lambda *lead: plgpu.SMEM((*lead, ROWS, d), dtype, transforms=(tiling, swizzle))
-  kv = lambda: plgpu.SMEM((stages, tk, d), dtype, transforms=(tiling, swizzle))
+  tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
   pl.run_scoped(
-      kernel, tile(2), tile(2), tile(2), tile(2), kv(), kv(),
-      plgpu.SMEM((2, 4, ROWS), jnp.float32), plgpu.SMEM((2, 2, ROWS), jnp.int32),
-      plgpu.Barrier(num_barriers=2 * n_in),
-      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),   # K, V landed
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # K slot read by both
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # V slot read by both
-      plgpu.Barrier(num_arrivals=2),     # the compute warpgroups' turns on the tensor cores
-      collective_axes="wg")
+      kernel, tile, tile, tile, tile, plgpu.SMEM((2, 4, ROWS), jnp.float32),
+      plgpu.SMEM((2, 2, ROWS), jnp.int32), plgpu.Barrier(num_barriers=2 * n_in),
+      *_KvStream.scratch(stages, tk, d, dtype), collective_axes="wg")
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
