@@ -125,33 +125,21 @@ class Mm(NamedTuple):
   rhs_t: bool = False
 
 
-def _mms(*ops: Mm, interpret: bool):
-  """Independent products issued together, with one wait for all (each separate _mm waits for
-  its wgmma before the next is issued), each accumulating in place into its acc (no separate
-  add of a fresh product). The interpreter runs them one by one through _mm."""
-  if interpret:
-    out = [_mm(o.lhs, o.rhs, o.shape, True, lhs_array=o.lhs_array, rhs_t=o.rhs_t) for o in ops]
-    return [r if o.acc is None else o.acc + r for o, r in zip(ops, out)]
-
-  def issue(acc_refs):
-    for ref, o in zip(acc_refs, ops):
-      plgpu.wgmma(ref, o.lhs, o.rhs.transpose((1, 0)) if o.rhs_t else o.rhs)
-  inits = tuple(plgpu.ACC.init(_zeros(o.shape, False) if o.acc is None else o.acc) for o in ops)
-  return list(pl.run_state(issue)(inits))
-
-
-def _ws_mms(*ops: Mm, interpret: bool, between=None):
-  """_mms inside a warp-specialised kernel: the products issued together, then between() (a
-  turn on the tensor cores, a wait for the next tile) while they run, then one wait. The
-  interpreter allocates no SMEM inside a warpgroup (_mm's operand staging), so there each is a
-  plain f32-accumulated dot of the same 16-bit values."""
+def _mms(*ops: Mm, interpret: bool, between=None, in_warpgroup=False):
+  """Independent products issued together, then between() (a turn on the tensor cores, a wait
+  for the next tile) while they run, then one wait for all (each separate _mm waits for its
+  wgmma before the next is issued); each accumulates in place into its acc (no separate add of a
+  fresh product). Interpreted, they run one by one through _mm's SMEM staging, or, inside a
+  warp-specialised kernel's warpgroup (in_warpgroup: the interpreter allocates no SMEM there),
+  as plain f32-accumulated dots of the same 16-bit values."""
   if interpret:
     def dot(o):
+      if not in_warpgroup:
+        return _mm(o.lhs, o.rhs, o.shape, True, lhs_array=o.lhs_array, rhs_t=o.rhs_t)
       a = o.lhs if isinstance(o.lhs, jax.Array) else o.lhs[...]
-      r = lax.dot_general(a, o.rhs[...], (((1,), (1 if o.rhs_t else 0,)), ((), ())),
-                          preferred_element_type=jnp.float32)
-      return r if o.acc is None else o.acc + r
-    out = [dot(o) for o in ops]
+      return lax.dot_general(a, o.rhs[...], (((1,), (1 if o.rhs_t else 0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    out = [r if o.acc is None else o.acc + r for o, r in zip(ops, map(dot, ops))]
     if between is not None:
       between()
     return out
@@ -198,6 +186,42 @@ def _query_tile_indices():
 def _swizzled():
   """The transforms of a 16-bit SMEM tile read by TMA and wgmma: 8 x 64 tiles, 128-byte swizzle."""
   return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _finish_rows(acc, m, l, lo, q_smem, lse_smem, dtype):
+  """The forward's last step for a 64-row tile: out = acc / l into the q tile's buffer (0 for
+  rows that are not real) and the base-2 lse (the empty one for those rows) into lse_smem."""
+  real = lo < tri._NO_ROW
+  out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+  out = jnp.where(lax.broadcast_in_dim(real, acc.shape, [0]), out, 0.0)
+  q_smem[...] = out.astype(dtype)               # the q tile's buffer holds the output
+  lse_smem[...] = jnp.where(real, m + jnp.log2(l), tri._LSE_EMPTY)
+
+
+def _own_block_grads(mms, q_smem, do_smem, kb_smem, vb_smem, lse_c, delta_c, lse_r, delta_r,
+                     block_mask, *, qk_scale, scale, dtype):
+  """A query tile's share of its own blocks' keys: its dQ part, rows first, and (keys first,
+  [keys, rows]: the contraction over rows sums the G query heads) the own blocks' dK, dV, which
+  no other tile sees. The results go to the kb / vb buffers; returns dQ. lse / delta: _c per row
+  of a rows-first tile, _r per column of a keys-first one."""
+  sq, d = (ROWS, ROWS), q_smem.shape[-1]
+  rows_of = lambda x: lax.broadcast_in_dim(x, sq, [0])
+  cols_of = lambda x: lax.broadcast_in_dim(x, sq, [1])
+  s, dp = mms(Mm(q_smem, kb_smem, sq, rhs_t=True), Mm(do_smem, vb_smem, sq, rhs_t=True))
+  s = jnp.where(block_mask(False), s * qk_scale, tri._NEG)
+  p = jnp.exp2(s - rows_of(lse_c))
+  ds = p * (dp - rows_of(delta_c))
+  sT, dpT = mms(Mm(kb_smem, q_smem, sq, rhs_t=True), Mm(vb_smem, do_smem, sq, rhs_t=True))
+  sT = jnp.where(block_mask(True), sT * qk_scale, tri._NEG)
+  pT = jnp.exp2(sT - cols_of(lse_r))
+  dsT = pT * (dpT - cols_of(delta_r))
+  dq, dvb, dkb = mms(Mm(ds.astype(dtype), kb_smem, (ROWS, d), lhs_array=True),
+                     Mm(pT.astype(dtype), do_smem, (ROWS, d), lhs_array=True),
+                     Mm(dsT.astype(dtype), q_smem, (ROWS, d), lhs_array=True))
+  dkb = dkb * scale
+  kb_smem[...] = dkb.astype(dtype)
+  vb_smem[...] = dvb.astype(dtype)
+  return dq
 
 
 def _interpret_params(interpret):
@@ -278,11 +302,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
                                     max_concurrent_steps=stages, init_carry=(acc, m, l))(
                                         kc_g.at[b, h], vc_g.at[b, h])
 
-    real = lo < tri._NO_ROW
-    out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-    out = jnp.where(lax.broadcast_in_dim(real, acc.shape, [0]), out, 0.0)
-    q_smem[...] = out.astype(dtype)               # the q tile's buffer holds the output
-    lse_smem[...] = jnp.where(real, m + jnp.log2(l), tri._LSE_EMPTY)
+    _finish_rows(acc, m, l, lo, q_smem, lse_smem, dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, o_g.at[b, h, rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
@@ -351,12 +371,48 @@ class _KvStream(NamedTuple):
       plgpu.barrier_wait(self.v_free.at[slot])
 
 
-def _pair_indices(pair_ranges_g, n_kt):
-  """(i, h, b, wg, kt_lo, n) of a warp-specialised kernel on the grid ("q", "h", "b") x "wg":
-  the context key tiles kt_lo .. kt_lo + n - 1 of its query-tile pair (at least one)."""
+class _Pair(NamedTuple):
+  """A compute warpgroup's place in a warp-specialised kernel: grid indices (i: the query-tile
+  pair), its warpgroup wg (0 or 1), its query tile t, and the pair's context key tiles kt_lo ..
+  kt_lo + n - 1 (at least one; the same n for both warpgroups)."""
+  i: jax.Array
+  h: jax.Array
+  b: jax.Array
+  wg: jax.Array
+  t: jax.Array
+  kt_lo: jax.Array
+  n: jax.Array
+
+
+def _warp_specialised(compute, scratch, pair_ranges_g, k_g, v_g, *, n_kt, n_tiles, tk, stages,
+                      interpret):
+  """The frame of a warp-specialised kernel on the grid ("q", "h", "b") x "wg" (3 warpgroups):
+  warpgroups 0 and 1 run compute(pair, kv, mms, *scratch refs) on query tiles 2i and 2i + 1 (an
+  odd last tile repeated, its `t` clamped), warpgroup 2 streams the pair's context K/V tiles of
+  k_g / v_g ([B, H, keys, D]) through a _KvStream. mms: _mms inside a warpgroup."""
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
   kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
-  return i, h, b, lax.axis_index("wg"), kt_lo, jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)
+  wg = lax.axis_index("wg")
+  n = jnp.maximum(pair_ranges_g[b, i, 3] - kt_lo, 1)
+  d, dtype = k_g.shape[-1], k_g.dtype
+
+  def kernel(*refs):
+    bufs, kv = refs[:len(scratch)], _KvStream(*refs[len(scratch):])
+    mms = lambda *ops, between=None: _mms(*ops, interpret=interpret, between=between,
+                                          in_warpgroup=True)
+
+    @pl.when(wg < 2)
+    def _compute():
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
+      t = jnp.minimum(2 * i + wg, n_tiles - 1)
+      compute(_Pair(i, h, b, wg, t, kt_lo, n), kv, mms, *bufs)
+
+    pl.when(wg == 2)(lambda: kv.produce(k_g.at[b, h], v_g.at[b, h], kt_lo, n, tk, stages,
+                                        interpret))
+
+  pl.run_scoped(kernel, *scratch, *_KvStream.scratch(stages, tk, d, dtype),
+                collective_axes="wg")
 
 
 def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g,
@@ -369,100 +425,85 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
   take turns on the tensor cores (a schedule barrier: one's softmax overlaps the other's wgmma),
   as in JAX's attention_mgpu. Where the tile count is odd the last CTA's second warpgroup
   repeats the last tile and does not store it."""
-  i, h, b, wg, kt_lo, n = _pair_indices(pair_ranges_g, n_kt)   # n: the same for both warpgroups
   d, dtype = q_g.shape[-1], q_g.dtype
 
-  def kernel(q_smem2, kb_smem2, vb_smem2, lo_smem2, hi_smem2, lse_smem2, in_bars, *stream):
-    kv = _KvStream(*stream)
+  def compute(pair, kv, mms, q_smem2, kb_smem2, vb_smem2, lo_smem2, hi_smem2, lse_smem2,
+              in_bars):
+    i, h, b, wg, t, kt_lo, n = pair
     k_smem, v_smem, k_bars, v_bars, k_free, v_free, turn = kv
     take_turn = kv.take_turn
+    rows = pl.ds(t * ROWS, ROWS)
+    q_smem, kb_smem, vb_smem = q_smem2.at[wg], kb_smem2.at[wg], vb_smem2.at[wg]
+    lo_smem, hi_smem, lse_smem = lo_smem2.at[wg], hi_smem2.at[wg], lse_smem2.at[wg]
+    copies = ((q_g.at[b, h, rows], q_smem), (lo_g.at[b, rows], lo_smem),
+              (hi_g.at[b, rows], hi_smem), (kb_g.at[b, h, pl.ds(t * tq, ROWS)], kb_smem),
+              (vb_g.at[b, h, pl.ds(t * tq, ROWS)], vb_smem))
+    for j, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * len(copies) + j])
+    for j in range(len(copies)):
+      plgpu.barrier_wait(in_bars.at[wg * len(copies) + j])
+    lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
-    @pl.when(wg < 2)
-    def _compute():
-      if not interpret:
-        plgpu.set_max_registers(232, action="increase")
-      t = jnp.minimum(2 * i + wg, n_tiles - 1)
-      rows = pl.ds(t * ROWS, ROWS)
-      q_smem, kb_smem, vb_smem = q_smem2.at[wg], kb_smem2.at[wg], vb_smem2.at[wg]
-      lo_smem, hi_smem, lse_smem = lo_smem2.at[wg], hi_smem2.at[wg], lse_smem2.at[wg]
-      copies = ((q_g.at[b, h, rows], q_smem), (lo_g.at[b, rows], lo_smem),
-                (hi_g.at[b, rows], hi_smem), (kb_g.at[b, h, pl.ds(t * tq, ROWS)], kb_smem),
-                (vb_g.at[b, h, pl.ds(t * tq, ROWS)], vb_smem))
-      for j, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * len(copies) + j])
-      for j in range(len(copies)):
-        plgpu.barrier_wait(in_bars.at[wg * len(copies) + j])
-      lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
+    # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
+    s, = mms(Mm(q_smem, kb_smem, (ROWS, ROWS), rhs_t=True))
+    block_mask = _own_block_mask(keys_first=False, tq=tq, groups=groups, kp=kp,
+                                 k_real=k_real, causal=causal, interpret=interpret)
+    s = jnp.where(block_mask, s * qk_scale, tri._NEG)
+    m = s.max(axis=1)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+    l = p.sum(axis=1)
+    acc, = mms(Mm(p.astype(dtype), vb_smem, (ROWS, d)))
 
-      # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
-      s, = _ws_mms(Mm(q_smem, kb_smem, (ROWS, ROWS), rhs_t=True), interpret=interpret)
-      block_mask = _own_block_mask(keys_first=False, tq=tq, groups=groups, kp=kp,
-                                   k_real=k_real, causal=causal, interpret=interpret)
-      s = jnp.where(block_mask, s * qk_scale, tri._NEG)
-      m = s.max(axis=1)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-      l = p.sum(axis=1)
-      acc, = _ws_mms(Mm(p.astype(dtype), vb_smem, (ROWS, d)), interpret=interpret)
+    int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
+    plgpu.barrier_wait(k_bars.at[0])
+    pl.when(wg == 1)(take_turn)
 
-      int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
-      plgpu.barrier_wait(k_bars.at[0])
-      pl.when(wg == 1)(take_turn)
+    def step(j, carry):
+      acc, m, l = carry
+      slot = lax.rem(j, stages)
+      kt = kt_lo + j
+      k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+      s, = mms(Mm(q_smem, k_t, (ROWS, tk), rhs_t=True), between=take_turn)
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
+                          lambda: _ctx_seen(kt, tk, lo, hi, interpret))
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_arrive(turn)                 # done with the softmax
+      plgpu.barrier_wait(v_bars.at[slot])
+      plgpu.barrier_wait(turn)                   # the tensor cores are free
 
-      def step(j, carry):
-        acc, m, l = carry
-        slot = lax.rem(j, stages)
-        kt = kt_lo + j
-        k_t, v_t = k_smem.at[slot], v_smem.at[slot]
-        s, = _ws_mms(Mm(q_smem, k_t, (ROWS, tk), rhs_t=True), interpret=interpret,
-                     between=take_turn)
-        plgpu.barrier_arrive(k_free.at[slot])
-        s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
-                            lambda: _ctx_seen(kt, tk, lo, hi, interpret))
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        plgpu.barrier_arrive(turn)                 # done with the softmax
-        plgpu.barrier_wait(v_bars.at[slot])
-        plgpu.barrier_wait(turn)                   # the tensor cores are free
+      def wait_next_k():
+        @pl.when(j + 1 < n)
+        def _():
+          plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, stages)])
+      acc, = mms(Mm(p16, v_t, (ROWS, d), acc=acc), between=wait_next_k)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
 
-        def wait_next_k():
-          @pl.when(j + 1 < n)
-          def _():
-            plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, stages)])
-        acc, = _ws_mms(Mm(p16, v_t, (ROWS, d), acc=acc), interpret=interpret,
-                       between=wait_next_k)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+    acc, m, l = lax.fori_loop(0, n, step, (acc, m, l))
+    pl.when(wg == 0)(take_turn)
 
-      acc, m, l = lax.fori_loop(0, n, step, (acc, m, l))
-      pl.when(wg == 0)(take_turn)
+    _finish_rows(acc, m, l, lo, q_smem, lse_smem, dtype)
+    plgpu.commit_smem()
 
-      real = lo < tri._NO_ROW
-      out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-      out = jnp.where(lax.broadcast_in_dim(real, acc.shape, [0]), out, 0.0)
-      q_smem[...] = out.astype(dtype)             # the q tile's buffer holds the output
-      lse_smem[...] = jnp.where(real, m + jnp.log2(l), tri._LSE_EMPTY)
-      plgpu.commit_smem()
-
-      @pl.when(2 * i + wg < n_tiles)
-      def _store():
-        plgpu.copy_smem_to_gmem(q_smem, o_g.at[b, h, rows])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
-      plgpu.wait_smem_to_gmem(0)
-
-    pl.when(wg == 2)(lambda: kv.produce(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages,
-                                        interpret))
+    @pl.when(2 * i + wg < n_tiles)
+    def _store():
+      plgpu.copy_smem_to_gmem(q_smem, o_g.at[b, h, rows])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
 
   tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
-  pl.run_scoped(
-      kernel, tile, tile, tile, plgpu.SMEM((2, ROWS), jnp.int32),
-      plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32),
-      plgpu.Barrier(num_barriers=10),                          # q, lo, hi, own K, V: 5 a warpgroup
-      *_KvStream.scratch(stages, tk, d, dtype), collective_axes="wg")
+  scratch = (tile, tile, tile, plgpu.SMEM((2, ROWS), jnp.int32),
+             plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32),
+             plgpu.Barrier(num_barriers=10))                 # q, lo, hi, own K, V: 5 a warpgroup
+  _warp_specialised(compute, scratch, pair_ranges_g, kc_g, vc_g, n_kt=n_kt, n_tiles=n_tiles,
+                    tk=tk, stages=stages, interpret=interpret)
 
 
 def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g, vb_g,
@@ -477,7 +518,6 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
       keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
       interpret=interpret)
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
-  cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
 
   mms = lambda *ops: _mms(*ops, interpret=interpret)
 
@@ -500,8 +540,6 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     lse_c, delta_c, lo, hi = (_vec(r, 0, interpret)
                               for r in (lse_smem, delta_smem, lo_smem, hi_smem))
     lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t_smem, delta_t_smem))
-    sq = (ROWS, ROWS)
-
 
     def own_blocks(kb_smem, vb_smem, own_bars):
       # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out;
@@ -510,23 +548,8 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
       plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, own_bars.at[1])
       plgpu.barrier_wait(own_bars.at[0])
       plgpu.barrier_wait(own_bars.at[1])
-      # Rows first: dQ's share.
-      s, dp = mms(Mm(q_smem, kb_smem, sq, rhs_t=True), Mm(do_smem, vb_smem, sq, rhs_t=True))
-      s = jnp.where(block_mask(False), s * qk_scale, tri._NEG)
-      p = jnp.exp2(s - rows_of(lse_c, sq))
-      ds = p * (dp - rows_of(delta_c, sq))
-      # Keys first ([keys, rows]): their dK and dV, the contraction over rows summing the G
-      # query heads.
-      sT, dpT = mms(Mm(kb_smem, q_smem, sq, rhs_t=True), Mm(vb_smem, do_smem, sq, rhs_t=True))
-      sT = jnp.where(block_mask(True), sT * qk_scale, tri._NEG)
-      pT = jnp.exp2(sT - cols_of(lse_r, sq))
-      dsT = pT * (dpT - cols_of(delta_r, sq))
-      dq, dvb, dkb = mms(Mm(ds.astype(dtype), kb_smem, (ROWS, d), lhs_array=True),
-                         Mm(pT.astype(dtype), do_smem, (ROWS, d), lhs_array=True),
-                         Mm(dsT.astype(dtype), q_smem, (ROWS, d), lhs_array=True))
-      dkb = dkb * scale
-      kb_smem[...] = dkb.astype(dtype)
-      vb_smem[...] = dvb.astype(dtype)
+      dq = _own_block_grads(mms, q_smem, do_smem, kb_smem, vb_smem, lse_c, delta_c, lse_r,
+                            delta_r, block_mask, qk_scale=qk_scale, scale=scale, dtype=dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(i * tq, tq)])
       plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(i * tq, tq)])
@@ -574,109 +597,86 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
   """dQ (+ the own blocks' dK/dV), warp-specialised as _forward_ws_kernel: query tiles 2i and
   2i + 1 on two compute warpgroups taking turns on the tensor cores, the context K/V tiles of both
   streamed by a TMA warpgroup."""
-  i, h, b, wg, kt_lo, n = _pair_indices(pair_ranges_g, n_kt)   # n: the same for both warpgroups
   d, dtype = q_g.shape[-1], q_g.dtype
   n_in = 10                                              # input copies of a compute warpgroup
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
-  cols_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])   # per query row, keys-first
 
-  def kernel(q_smem2, do_smem2, kb_smem2, vb_smem2, vec_f2, vec_i2, in_bars, *stream):
-    kv = _KvStream(*stream)
+  def compute(pair, kv, mms, q_smem2, do_smem2, kb_smem2, vb_smem2, vec_f2, vec_i2, in_bars):
+    i, h, b, wg, t, kt_lo, n = pair
     k_smem, v_smem, k_bars, v_bars, k_free, v_free, turn = kv
     take_turn = kv.take_turn
-    mms = lambda *ops, between=None: _ws_mms(*ops, interpret=interpret, between=between)
+    store = 2 * i + wg < n_tiles
+    rows = pl.ds(t * ROWS, ROWS)
+    own = pl.ds(t * tq, ROWS)
+    q_smem, do_smem, kb_smem, vb_smem = (x.at[wg] for x in (q_smem2, do_smem2, kb_smem2,
+                                                             vb_smem2))
+    # lse and delta twice: one copy read per row of a rows-first tile, one per column of a
+    # keys-first one (one buffer in two register layouts fails JAX 0.11's layout inference)
+    lse_s, delta_s, lse_t, delta_t = (vec_f2.at[wg, j] for j in range(4))
+    lo_s, hi_s = vec_i2.at[wg, 0], vec_i2.at[wg, 1]
+    copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
+              (lse_g.at[b, h, rows], lse_s), (delta_g.at[b, h, rows], delta_s),
+              (lse_g.at[b, h, rows], lse_t), (delta_g.at[b, h, rows], delta_t),
+              (lo_g.at[b, rows], lo_s), (hi_g.at[b, rows], hi_s),
+              (kb_g.at[b, h, own], kb_smem), (vb_g.at[b, h, own], vb_smem))
+    for j, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
+    for j in range(n_in):
+      plgpu.barrier_wait(in_bars.at[wg * n_in + j])
+    lse_c, delta_c, lo, hi = (_vec(r, 0, interpret) for r in (lse_s, delta_s, lo_s, hi_s))
+    lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t, delta_t))
+    block_mask = lambda keys_first: _own_block_mask(
+        keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+        interpret=interpret)
 
-    @pl.when(wg < 2)
-    def _compute():
-      if not interpret:
-        plgpu.set_max_registers(232, action="increase")
-      t = jnp.minimum(2 * i + wg, n_tiles - 1)
-      store = 2 * i + wg < n_tiles
-      rows = pl.ds(t * ROWS, ROWS)
-      own = pl.ds(t * tq, ROWS)
-      q_smem, do_smem, kb_smem, vb_smem = (x.at[wg] for x in (q_smem2, do_smem2, kb_smem2,
-                                                               vb_smem2))
-      # lse and delta twice: one copy read per row of a rows-first tile, one per column of a
-      # keys-first one (one buffer in two register layouts fails JAX 0.11's layout inference)
-      lse_s, delta_s, lse_t, delta_t = (vec_f2.at[wg, j] for j in range(4))
-      lo_s, hi_s = vec_i2.at[wg, 0], vec_i2.at[wg, 1]
-      copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
-                (lse_g.at[b, h, rows], lse_s), (delta_g.at[b, h, rows], delta_s),
-                (lse_g.at[b, h, rows], lse_t), (delta_g.at[b, h, rows], delta_t),
-                (lo_g.at[b, rows], lo_s), (hi_g.at[b, rows], hi_s),
-                (kb_g.at[b, h, own], kb_smem), (vb_g.at[b, h, own], vb_smem))
-      for j, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
-      for j in range(n_in):
-        plgpu.barrier_wait(in_bars.at[wg * n_in + j])
-      lse_c, delta_c, lo, hi = (_vec(r, 0, interpret) for r in (lse_s, delta_s, lo_s, hi_s))
-      lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t, delta_t))
-      block_mask = lambda keys_first: _own_block_mask(
-          keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
-          interpret=interpret)
-      sq = (ROWS, ROWS)
+    # The own blocks: dQ's share, and their dK and dV.
+    dq = _own_block_grads(mms, q_smem, do_smem, kb_smem, vb_smem, lse_c, delta_c, lse_r,
+                          delta_r, block_mask, qk_scale=qk_scale, scale=scale, dtype=dtype)
+    plgpu.commit_smem()
 
-      # The own blocks: dQ's share, then (keys first) their dK and dV.
-      s, dp = mms(Mm(q_smem, kb_smem, sq, rhs_t=True), Mm(do_smem, vb_smem, sq, rhs_t=True))
-      s = jnp.where(block_mask(False), s * qk_scale, tri._NEG)
-      ds = jnp.exp2(s - rows_of(lse_c, sq)) * (dp - rows_of(delta_c, sq))
-      sT, dpT = mms(Mm(kb_smem, q_smem, sq, rhs_t=True), Mm(vb_smem, do_smem, sq, rhs_t=True))
-      sT = jnp.where(block_mask(True), sT * qk_scale, tri._NEG)
-      pT = jnp.exp2(sT - cols_of(lse_r, sq))
-      dsT = pT * (dpT - cols_of(delta_r, sq))
-      dq, dvb, dkb = mms(Mm(ds.astype(dtype), kb_smem, (ROWS, d)),
-                         Mm(pT.astype(dtype), do_smem, (ROWS, d)),
-                         Mm(dsT.astype(dtype), q_smem, (ROWS, d)))
-      kb_smem[...] = (dkb * scale).astype(dtype)
-      vb_smem[...] = dvb.astype(dtype)
-      plgpu.commit_smem()
+    @pl.when(store)
+    def _():
+      plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(t * tq, tq)])
+      plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(t * tq, tq)])
 
-      @pl.when(store)
-      def _():
-        plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(t * tq, tq)])
-        plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(t * tq, tq)])
+    int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
+    st = (ROWS, tk)
+    pl.when(wg == 1)(take_turn)
 
-      int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
-      st = (ROWS, tk)
-      pl.when(wg == 1)(take_turn)
+    def step(j, dq):
+      slot = lax.rem(j, stages)
+      kt = kt_lo + j
+      k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+      plgpu.barrier_wait(k_bars.at[slot])
+      plgpu.barrier_wait(v_bars.at[slot])
+      s, dp = mms(Mm(q_smem, k_t, st, rhs_t=True), Mm(do_smem, v_t, st, rhs_t=True),
+                  between=take_turn)
+      plgpu.barrier_arrive(v_free.at[slot])
+      s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
+                          lambda: _ctx_seen(kt, tk, lo, hi, interpret))
+      ds = (jnp.exp2(s - rows_of(lse_c, st)) * (dp - rows_of(delta_c, st))).astype(dtype)
+      dq, ds = lax.optimization_barrier((dq, ds))
+      plgpu.barrier_arrive(turn)                 # done with the elementwise part
+      plgpu.barrier_wait(turn)                   # the tensor cores are free
+      dq, = mms(Mm(ds, k_t, (ROWS, d), acc=dq))
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
 
-      def step(j, dq):
-        slot = lax.rem(j, stages)
-        kt = kt_lo + j
-        k_t, v_t = k_smem.at[slot], v_smem.at[slot]
-        plgpu.barrier_wait(k_bars.at[slot])
-        plgpu.barrier_wait(v_bars.at[slot])
-        s, dp = mms(Mm(q_smem, k_t, st, rhs_t=True), Mm(do_smem, v_t, st, rhs_t=True),
-                    between=take_turn)
-        plgpu.barrier_arrive(v_free.at[slot])
-        s = _mask_edge_tile(s * qk_scale, (kt >= int_lo) & (kt < int_hi),
-                            lambda: _ctx_seen(kt, tk, lo, hi, interpret))
-        ds = (jnp.exp2(s - rows_of(lse_c, st)) * (dp - rows_of(delta_c, st))).astype(dtype)
-        dq, ds = lax.optimization_barrier((dq, ds))
-        plgpu.barrier_arrive(turn)                 # done with the elementwise part
-        plgpu.barrier_wait(turn)                   # the tensor cores are free
-        dq, = mms(Mm(ds, k_t, (ROWS, d), acc=dq))
-        plgpu.barrier_arrive(k_free.at[slot])
-        return dq
+    dq = lax.fori_loop(0, n, step, dq)
+    pl.when(wg == 0)(take_turn)
+    q_smem[...] = (dq * scale).astype(dtype)          # the q tile's buffer holds dQ
+    plgpu.commit_smem()
 
-      dq = lax.fori_loop(0, n, step, dq)
-      pl.when(wg == 0)(take_turn)
-      q_smem[...] = (dq * scale).astype(dtype)          # the q tile's buffer holds dQ
-      plgpu.commit_smem()
-
-      @pl.when(store)
-      def _():
-        plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
-      plgpu.wait_smem_to_gmem(0)
-
-    pl.when(wg == 2)(lambda: kv.produce(kc_g.at[b, h], vc_g.at[b, h], kt_lo, n, tk, stages,
-                                        interpret))
+    @pl.when(store)
+    def _():
+      plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
 
   tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
-  pl.run_scoped(
-      kernel, tile, tile, tile, tile, plgpu.SMEM((2, 4, ROWS), jnp.float32),
-      plgpu.SMEM((2, 2, ROWS), jnp.int32), plgpu.Barrier(num_barriers=2 * n_in),
-      *_KvStream.scratch(stages, tk, d, dtype), collective_axes="wg")
+  scratch = (tile, tile, tile, tile, plgpu.SMEM((2, 4, ROWS), jnp.float32),
+             plgpu.SMEM((2, 2, ROWS), jnp.int32), plgpu.Barrier(num_barriers=2 * n_in))
+  _warp_specialised(compute, scratch, pair_ranges_g, kc_g, vc_g, n_kt=n_kt, n_tiles=n_tiles,
+                    tk=tk, stages=stages, interpret=interpret)
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
