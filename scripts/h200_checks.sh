@@ -49,7 +49,8 @@ part_cmds() {
       run timeout 300 python3 -m bridge.twin.bench_attention --budget-s 200 ;;
     mosaic)         # the Mosaic GPU kernels (mosaic_gpu.py): out and gradients against the
                     # reference, then timed beside the Triton kernel after matching its outputs
-      # (one H100, 2026-12-05: the tests ~3 min with the warp-specialised cases, 8k ~1.5 min)
+      # (one H100, 2026-12-05: 8k with three tile variants took ~110 s; the GPU tests did not
+      # finish in 110 s with the warp-specialised cases, hence 240 s and last)
       run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
           --shapes 8192x1024 --mosaic-tiles default,ws
       run timeout 150 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \

@@ -81,7 +81,7 @@ def _on_gpu() -> bool:
 
 def default_implementation() -> str:
   try:
-    if jax.default_backend() == "gpu":
+    if _on_gpu():
       from pallas_kernels.dflash_attention import triton  # noqa: F401
       return "triton"
   except (ImportError, NotImplementedError):

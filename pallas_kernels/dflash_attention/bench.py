@@ -300,7 +300,8 @@ def main(argv=None, torch_rows=None):
                       "backward, and forward + Mosaic GPU backward")
   p.add_argument("--mosaic-tiles", default="default",
                  help="with --mosaic: comma list of Mosaic GPU tile variants for the all-Mosaic "
-                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3: ws = the warp-specialised forward and dQ)")
+                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3; ws: the "
+                      "warp-specialised forward and dQ, also timed under the Triton backward)")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
