@@ -8,6 +8,7 @@
 #   bash scripts/h200_checks.sh mosaic          # the Mosaic GPU kernels: the kernel bench against
 #                                               # Triton (sliding 8k, full 64k), then GPU tests
 #   bash scripts/h200_checks.sh mosaic-step     # the 27b-8k JAX step, default vs --attention mosaic
+#   bash scripts/h200_checks.sh mosaic-all      # 8k bench, the step pair, 65k full, GPU tests (~9 min)
 #   bash scripts/h200_checks.sh parity          # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
 #   bash scripts/h200_checks.sh memory          # predicted vs measured peak, 27B 8k/64k, budget 131k
 #   bash scripts/h200_checks.sh bench           # full step JAX vs both PyTorch rows, 27b-8k
@@ -31,7 +32,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LIMIT=${LIMIT:-570}    # seconds for a whole part
-[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic mosaic-step parity memory bench bench-all" \
+[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic mosaic-step mosaic-all parity memory bench bench-all" \
                       "bench-8k bench-remat bench-8b bench-32k bench-64k cublas"; exit 2; }
 
 part_cmds() {
@@ -52,15 +53,24 @@ part_cmds() {
       # (one H100, 2026-12-05: 8k with three tile variants took ~110 s; the GPU tests did not
       # finish in 110 s with the warp-specialised cases, hence 240 s and last)
       run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 8192x1024 --mosaic-tiles default,ws
+          --shapes 8192x1024 --mosaic-tiles default,wsf
       run timeout 150 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 65536x2048 --layers full --mosaic-tiles default,ws
+          --shapes 65536x2048 --layers full --mosaic-tiles default,wsf
       run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
           -p no:cacheprovider ;;
+    mosaic-all)     # one call: the sliding 8k bench, the 27b-8k step pair, the 65k full layer,
+                    # then the GPU tests with what time is left
+      run timeout 110 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+          --shapes 8192x1024 --mosaic-tiles default,wsf
+      part_cmds mosaic-step
+      run timeout 110 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+          --shapes 65536x2048 --layers full --mosaic-tiles default,wsf
+      run timeout 200 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
+          -p no:cacheprovider ;;
     mosaic-step)    # the 27B drafter's whole step with the Mosaic GPU kernels beside the default
-      run timeout 280 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
+      run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
           --json "$OUT/bench-step-default.json"
-      run timeout 280 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
+      run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
           --attention mosaic --json "$OUT/bench-step-mosaic.json" ;;
     kernel-smollm2) # the SmolLM2 recipe's attention (9/3 heads, head size 64, a 2048-token row
                     # with 512 anchors): the kernel against the dense XLA path it used to take

@@ -165,7 +165,9 @@ def _mosaic_variants():
           "keys128s3": MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dkv_stages=3),
           # warp-specialised forward and dQ (ws with 128 keys: 229 KiB, over an SM's 227)
           "ws": MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2),
-          "ws3": MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2, fwd_stages=3)}
+          "ws3": MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2, fwd_stages=3),
+          # the warp-specialised forward (the fastest forward) with the one-warpgroup dQ
+          "wsf": MosaicConfig(fwd_warpgroups=2)}
 
 
 def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", interpret=False,
@@ -300,8 +302,9 @@ def main(argv=None, torch_rows=None):
                       "backward, and forward + Mosaic GPU backward")
   p.add_argument("--mosaic-tiles", default="default",
                  help="with --mosaic: comma list of Mosaic GPU tile variants for the all-Mosaic "
-                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3; ws: the "
-                      "warp-specialised forward and dQ, also timed under the Triton backward)")
+                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3, wsf; ws: the "
+                      "warp-specialised forward and dQ, wsf: the warp-specialised forward "
+                      "alone; ws* rows are also timed under the Triton backward)")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")

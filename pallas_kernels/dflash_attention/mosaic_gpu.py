@@ -6,11 +6,14 @@ visible context range [lo, hi), a query tile's key-tile range and a key tile's q
 the own-block tile, base-2 scores and log-sum-exp), so the forward's outputs (out, lse) also feed
 the Triton backward unchanged. One warpgroup per tile of 64 rows or keys (the M of one wgmma):
   * forward and dQ: a query tile of R = 64 rows (TQ = 64 // G query tokens x the G query heads of
-    one KV head, whole blocks); its own blocks' keys form one 64-key tile, and context K/V tiles
-    stream through `plgpu.emit_pipeline` over the tile's own (dynamic) key-tile range, every
-    tile masked by the rows' ranges;
+    one KV head, whole blocks; row g * TQ + t is token t of head g); its own blocks' keys form
+    one 64-key tile, and context K/V tiles stream through `plgpu.emit_pipeline` over the tile's
+    own (dynamic) key-tile range, every tile masked by the rows' ranges;
   * dK/dV: a context tile of 64 keys, keys first ([keys, rows]: the contraction over rows sums
     the G heads), query tiles (q, dO, lse, delta, lo, hi) streamed over its query-tile range.
+Every kernel reads q, K, V, dO and writes out, dQ, dK, dV where the caller's arrays are
+([B, tokens, heads, D]): a query tile arrives as G TMA boxes of [TQ, D], one per query head
+(_tile_boxes), so no transposed copy is made (they cost ~0.7 ms of 6 at the 27B's sliding 8k).
 
 dflash_attention_mosaic puts the forward under a custom VJP whose backward is either these dQ and
 dK/dV kernels (backward="mosaic") or the Triton ones (backward="triton").
@@ -160,13 +163,14 @@ def _mask_edge_tile(s, interior, seen):
 
 
 def _own_block_mask(*, keys_first, tq, groups, kp, k_real, causal, interpret):
-  """[64, 64] (rows x own keys; keys x rows with keys_first): may row r (token r // G of this
-  tile) see key c of the 64-key own-block tile (its first tq keys are this tile's blocks, the
-  rest padding). The forward's and dQ's own-block tile."""
+  """[64, 64] (rows x own keys; keys x rows with keys_first): may row r (token r % tq of this
+  tile, _tile_boxes' order) see key c of the 64-key own-block tile (its first tq keys are this
+  tile's blocks, the rest padding). The forward's and dQ's own-block tile."""
+  del groups
   shape = (ROWS, ROWS)
   r_ids = _iota(shape, 1 if keys_first else 0, interpret)
   c_ids = _iota(shape, 0 if keys_first else 1, interpret)
-  t = r_ids // groups
+  t = r_ids % tq
   mask = (c_ids < tq) & (t // kp == c_ids // kp) & (c_ids % kp < k_real)
   return mask & (c_ids % kp <= t % kp) if causal else mask
 
@@ -175,6 +179,15 @@ def _ctx_seen(kt, tk, lo, hi, interpret):
   """[64, tk]: may row r see context key kt * tk + c (lo / hi: the rows' ranges, one a row)."""
   j = kt * tk + _iota((ROWS, tk), 1, interpret)
   return (j >= lax.broadcast_in_dim(lo, j.shape, [0])) & (j < lax.broadcast_in_dim(hi, j.shape, [0]))
+
+
+def _tile_boxes(x_g, tile_smem, b, h, t, tq, groups):
+  """(GMEM, SMEM) pairs of query tile t of KV head h: its G query heads' tq tokens, each a [tq, D]
+  box of x_g ([B, Qp, Hq, D], the caller's layout: read and written in place, no transposed
+  copy) and rows g * tq .. (g + 1) * tq of the tile's [64, D] buffer (row r: token r % tq,
+  head h * G + r // tq). TMA takes each box with its own row stride."""
+  return [(x_g.at[b, pl.ds(t * tq, tq), h * groups + g], tile_smem.at[pl.ds(g * tq, tq)])
+          for g in range(groups)]
 
 
 def _query_tile_indices():
@@ -244,10 +257,11 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   # pipeline's K/V stages (allocated by the second) share space: 85 KiB at D = 128 with 2 stages,
   # two tiles' CTAs per SM.
   def scoped(q_smem, lo_smem, hi_smem, lse_smem, bars):
-    plgpu.copy_gmem_to_smem(q_g.at[b, h, rows], q_smem, bars.at[0])
-    plgpu.copy_gmem_to_smem(lo_g.at[b, rows], lo_smem, bars.at[1])
-    plgpu.copy_gmem_to_smem(hi_g.at[b, rows], hi_smem, bars.at[2])
-    for j in range(3):
+    copies = (*_tile_boxes(q_g, q_smem, b, h, i, tq, groups), (lo_g.at[b, rows], lo_smem),
+              (hi_g.at[b, rows], hi_smem))
+    for j, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[j])
+    for j in range(len(copies)):
       plgpu.barrier_wait(bars.at[j])
     lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
@@ -260,8 +274,8 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
     def own_blocks(kb_smem, vb_smem, own_bars):
       # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out; the
       # arrays are padded by 64 - tq): wgmma takes 64 keys where layout inference fails on 16.
-      plgpu.copy_gmem_to_smem(kb_g.at[b, h, pl.ds(i * tq, ROWS)], kb_smem, own_bars.at[0])
-      plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, own_bars.at[1])
+      plgpu.copy_gmem_to_smem(kb_g.at[b, pl.ds(i * tq, ROWS), h], kb_smem, own_bars.at[0])
+      plgpu.copy_gmem_to_smem(vb_g.at[b, pl.ds(i * tq, ROWS), h], vb_smem, own_bars.at[1])
       plgpu.barrier_wait(own_bars.at[0])
       plgpu.barrier_wait(own_bars.at[1])
       # First (every real row sees its block's key 0, so m is finite afterwards).
@@ -300,11 +314,12 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
                            transforms=(tiling, swizzle))
     acc, m, l = plgpu.emit_pipeline(step, grid=(n,), in_specs=[spec, spec],
                                     max_concurrent_steps=stages, init_carry=(acc, m, l))(
-                                        kc_g.at[b, h], vc_g.at[b, h])
+                                        kc_g.at[b, :, h], vc_g.at[b, :, h])
 
     _finish_rows(acc, m, l, lo, q_smem, lse_smem, dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_g.at[b, h, rows])
+    for dst, src in _tile_boxes(o_g, q_smem, b, h, i, tq, groups):
+      plgpu.copy_smem_to_gmem(src, dst)
     plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
@@ -314,7 +329,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
       plgpu.SMEM((ROWS,), jnp.int32),
       plgpu.SMEM((ROWS,), jnp.int32),
       plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(num_barriers=3),
+      plgpu.Barrier(num_barriers=groups + 2),
   )
 
 
@@ -389,7 +404,7 @@ def _warp_specialised(compute, scratch, pair_ranges_g, k_g, v_g, *, n_kt, n_tile
   """The frame of a warp-specialised kernel on the grid ("q", "h", "b") x "wg" (3 warpgroups):
   warpgroups 0 and 1 run compute(pair, kv, mms, *scratch refs) on query tiles 2i and 2i + 1 (an
   odd last tile repeated, its `t` clamped), warpgroup 2 streams the pair's context K/V tiles of
-  k_g / v_g ([B, H, keys, D]) through a _KvStream. mms: _mms inside a warpgroup."""
+  k_g / v_g ([B, keys, Hkv, D]) through a _KvStream. mms: _mms inside a warpgroup."""
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
   kt_lo = jnp.minimum(pair_ranges_g[b, i, 0], n_kt - 1)
   wg = lax.axis_index("wg")
@@ -408,7 +423,7 @@ def _warp_specialised(compute, scratch, pair_ranges_g, k_g, v_g, *, n_kt, n_tile
       t = jnp.minimum(2 * i + wg, n_tiles - 1)
       compute(_Pair(i, h, b, wg, t, kt_lo, n), kv, mms, *bufs)
 
-    pl.when(wg == 2)(lambda: kv.produce(k_g.at[b, h], v_g.at[b, h], kt_lo, n, tk, stages,
+    pl.when(wg == 2)(lambda: kv.produce(k_g.at[b, :, h], v_g.at[b, :, h], kt_lo, n, tk, stages,
                                         interpret))
 
   pl.run_scoped(kernel, *scratch, *_KvStream.scratch(stages, tk, d, dtype),
@@ -426,6 +441,7 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
   as in JAX's attention_mgpu. Where the tile count is odd the last CTA's second warpgroup
   repeats the last tile and does not store it."""
   d, dtype = q_g.shape[-1], q_g.dtype
+  n_in = groups + 4                                      # input copies of a compute warpgroup
 
   def compute(pair, kv, mms, q_smem2, kb_smem2, vb_smem2, lo_smem2, hi_smem2, lse_smem2,
               in_bars):
@@ -435,13 +451,13 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
     rows = pl.ds(t * ROWS, ROWS)
     q_smem, kb_smem, vb_smem = q_smem2.at[wg], kb_smem2.at[wg], vb_smem2.at[wg]
     lo_smem, hi_smem, lse_smem = lo_smem2.at[wg], hi_smem2.at[wg], lse_smem2.at[wg]
-    copies = ((q_g.at[b, h, rows], q_smem), (lo_g.at[b, rows], lo_smem),
-              (hi_g.at[b, rows], hi_smem), (kb_g.at[b, h, pl.ds(t * tq, ROWS)], kb_smem),
-              (vb_g.at[b, h, pl.ds(t * tq, ROWS)], vb_smem))
+    copies = (*_tile_boxes(q_g, q_smem, b, h, t, tq, groups), (lo_g.at[b, rows], lo_smem),
+              (hi_g.at[b, rows], hi_smem), (kb_g.at[b, pl.ds(t * tq, ROWS), h], kb_smem),
+              (vb_g.at[b, pl.ds(t * tq, ROWS), h], vb_smem))
     for j, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * len(copies) + j])
-    for j in range(len(copies)):
-      plgpu.barrier_wait(in_bars.at[wg * len(copies) + j])
+      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
+    for j in range(n_in):
+      plgpu.barrier_wait(in_bars.at[wg * n_in + j])
     lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
     # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
@@ -494,14 +510,15 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
 
     @pl.when(2 * i + wg < n_tiles)
     def _store():
-      plgpu.copy_smem_to_gmem(q_smem, o_g.at[b, h, rows])
+      for dst, src in _tile_boxes(o_g, q_smem, b, h, t, tq, groups):
+        plgpu.copy_smem_to_gmem(src, dst)
       plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
   tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
   scratch = (tile, tile, tile, plgpu.SMEM((2, ROWS), jnp.int32),
              plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32),
-             plgpu.Barrier(num_barriers=10))                 # q, lo, hi, own K, V: 5 a warpgroup
+             plgpu.Barrier(num_barriers=2 * n_in))    # q (G boxes), lo, hi, own K, V
   _warp_specialised(compute, scratch, pair_ranges_g, kc_g, vc_g, n_kt=n_kt, n_tiles=n_tiles,
                     tk=tk, stages=stages, interpret=interpret)
 
@@ -528,7 +545,8 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
              bars):
     # lse and delta twice: one copy read per row of a rows-first tile, one per column of a
     # keys-first tile (a buffer loaded in two register layouts failed JAX 0.11's layout inference)
-    copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
+    copies = (*_tile_boxes(q_g, q_smem, b, h, i, tq, groups),
+              *_tile_boxes(do_g, do_smem, b, h, i, tq, groups),
               (lse_g.at[b, h, rows], lse_smem), (delta_g.at[b, h, rows], delta_smem),
               (lse_g.at[b, h, rows], lse_t_smem), (delta_g.at[b, h, rows], delta_t_smem),
               (lo_g.at[b, rows], lo_smem), (hi_g.at[b, rows], hi_smem))
@@ -544,15 +562,15 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     def own_blocks(kb_smem, vb_smem, own_bars):
       # The own blocks' keys as a tile of 64 (this tile's tq and the next ones', masked out;
       # padded by 64 - tq): wgmma takes 64 keys.
-      plgpu.copy_gmem_to_smem(kb_g.at[b, h, pl.ds(i * tq, ROWS)], kb_smem, own_bars.at[0])
-      plgpu.copy_gmem_to_smem(vb_g.at[b, h, pl.ds(i * tq, ROWS)], vb_smem, own_bars.at[1])
+      plgpu.copy_gmem_to_smem(kb_g.at[b, pl.ds(i * tq, ROWS), h], kb_smem, own_bars.at[0])
+      plgpu.copy_gmem_to_smem(vb_g.at[b, pl.ds(i * tq, ROWS), h], vb_smem, own_bars.at[1])
       plgpu.barrier_wait(own_bars.at[0])
       plgpu.barrier_wait(own_bars.at[1])
       dq = _own_block_grads(mms, q_smem, do_smem, kb_smem, vb_smem, lse_c, delta_c, lse_r,
                             delta_r, block_mask, qk_scale=qk_scale, scale=scale, dtype=dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(i * tq, tq)])
-      plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(i * tq, tq)])
+      plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, pl.ds(i * tq, tq), h])
+      plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, pl.ds(i * tq, tq), h])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the buffers are released on return
       return dq
 
@@ -579,16 +597,18 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
     spec = plgpu.BlockSpec(block_shape=(tk, d), index_map=lambda j: (kt_lo + j, 0),
                            transforms=(tiling, swizzle))
     dq = plgpu.emit_pipeline(step, grid=(n,), in_specs=[spec, spec],
-                             max_concurrent_steps=stages, init_carry=dq)(kc_g.at[b, h], vc_g.at[b, h])
+                             max_concurrent_steps=stages, init_carry=dq)(
+                                 kc_g.at[b, :, h], vc_g.at[b, :, h])
     q_smem[...] = (dq * scale).astype(dtype)      # the q tile's buffer holds dQ
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
+    for dst, src in _tile_boxes(dq_g, q_smem, b, h, i, tq, groups):
+      plgpu.copy_smem_to_gmem(src, dst)
     plgpu.wait_smem_to_gmem(0)
 
   tile = lambda: plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle))
   vec = lambda dt: plgpu.SMEM((ROWS,), dt)
   pl.run_scoped(scoped, tile(), tile(), *(vec(jnp.float32) for _ in range(4)), vec(jnp.int32),
-                vec(jnp.int32), plgpu.Barrier(num_barriers=8))
+                vec(jnp.int32), plgpu.Barrier(num_barriers=2 * groups + 6))
 
 
 def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g,
@@ -598,7 +618,7 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
   2i + 1 on two compute warpgroups taking turns on the tensor cores, the context K/V tiles of both
   streamed by a TMA warpgroup."""
   d, dtype = q_g.shape[-1], q_g.dtype
-  n_in = 10                                              # input copies of a compute warpgroup
+  n_in = 2 * groups + 8                                  # input copies of a compute warpgroup
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
 
   def compute(pair, kv, mms, q_smem2, do_smem2, kb_smem2, vb_smem2, vec_f2, vec_i2, in_bars):
@@ -614,11 +634,12 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
     # keys-first one (one buffer in two register layouts fails JAX 0.11's layout inference)
     lse_s, delta_s, lse_t, delta_t = (vec_f2.at[wg, j] for j in range(4))
     lo_s, hi_s = vec_i2.at[wg, 0], vec_i2.at[wg, 1]
-    copies = ((q_g.at[b, h, rows], q_smem), (do_g.at[b, h, rows], do_smem),
+    copies = (*_tile_boxes(q_g, q_smem, b, h, t, tq, groups),
+              *_tile_boxes(do_g, do_smem, b, h, t, tq, groups),
               (lse_g.at[b, h, rows], lse_s), (delta_g.at[b, h, rows], delta_s),
               (lse_g.at[b, h, rows], lse_t), (delta_g.at[b, h, rows], delta_t),
               (lo_g.at[b, rows], lo_s), (hi_g.at[b, rows], hi_s),
-              (kb_g.at[b, h, own], kb_smem), (vb_g.at[b, h, own], vb_smem))
+              (kb_g.at[b, own, h], kb_smem), (vb_g.at[b, own, h], vb_smem))
     for j, (src, dst) in enumerate(copies):
       plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
     for j in range(n_in):
@@ -636,8 +657,8 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
 
     @pl.when(store)
     def _():
-      plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, h, pl.ds(t * tq, tq)])
-      plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, h, pl.ds(t * tq, tq)])
+      plgpu.copy_smem_to_gmem(kb_smem.at[pl.ds(0, tq)], dkb_g.at[b, pl.ds(t * tq, tq), h])
+      plgpu.copy_smem_to_gmem(vb_smem.at[pl.ds(0, tq)], dvb_g.at[b, pl.ds(t * tq, tq), h])
 
     int_lo, int_hi = ranges_g[b, t, 1], ranges_g[b, t, 2]
     st = (ROWS, tk)
@@ -669,7 +690,8 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
 
     @pl.when(store)
     def _():
-      plgpu.copy_smem_to_gmem(q_smem, dq_g.at[b, h, rows])
+      for dst, src in _tile_boxes(dq_g, q_smem, b, h, t, tq, groups):
+        plgpu.copy_smem_to_gmem(src, dst)
     plgpu.wait_smem_to_gmem(0)
 
   tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
@@ -680,38 +702,54 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
 
 
 def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_g, dv_g, *,
-                tk, qk_scale, scale, n_qt, stages, interpret):
+                tk, tq, groups, qk_scale, scale, n_qt, stages, interpret):
   """dK, dV of one context key tile over the query tiles that may see it (keys first, [TK, R]:
-  the contraction over rows sums the G query heads), query tiles pipelined."""
+  the contraction over rows sums the G query heads), query tiles streamed through `stages` SMEM
+  slots: each tile's q and dO arrive as G boxes each (_tile_boxes) with its lse, delta, lo and hi
+  on one barrier, and a slot is reloaded as soon as its step's products are done."""
   j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
   d = q_g.shape[-1]
   dtype = q_g.dtype
   keys = pl.ds(j * tk, tk)
-  tiling, swizzle = _swizzled()
   st = (tk, ROWS)
   cols_of = lambda x: lax.broadcast_in_dim(x, st, [1])
 
   mms = lambda *ops: _mms(*ops, interpret=interpret)
 
-  def scoped(k_smem, v_smem, bars):
-    plgpu.copy_gmem_to_smem(kc_g.at[b, h, keys], k_smem, bars.at[0])
-    plgpu.copy_gmem_to_smem(vc_g.at[b, h, keys], v_smem, bars.at[1])
-    plgpu.barrier_wait(bars.at[0])
-    plgpu.barrier_wait(bars.at[1])
+  def scoped(k_smem, v_smem, q_s, do_s, lse_s, delta_s, lo_s, hi_s, kv_bars, landed):
+    plgpu.copy_gmem_to_smem(kc_g.at[b, keys, h], k_smem, kv_bars.at[0])
+    plgpu.copy_gmem_to_smem(vc_g.at[b, keys, h], v_smem, kv_bars.at[1])
     qa = jnp.minimum(ranges_g[b, j, 0], n_qt - 1)
     n = jnp.maximum(ranges_g[b, j, 3] - qa, 1)
+    ia, ib = ranges_g[b, j, 1], ranges_g[b, j, 2]
     key_ids = j * tk + _iota(st, 0, interpret)
 
-    ia, ib = ranges_g[b, j, 1], ranges_g[b, j, 2]
+    def load(idx, slot):             # query tile qa + idx into a slot, on its barrier
+      t = qa + idx
+      rows = pl.ds(t * ROWS, ROWS)
+      copies = (*_tile_boxes(q_g, q_s.at[slot], b, h, t, tq, groups),
+                *_tile_boxes(do_g, do_s.at[slot], b, h, t, tq, groups),
+                (lse_g.at[b, h, rows], lse_s.at[slot]), (delta_g.at[b, h, rows], delta_s.at[slot]),
+                (lo_g.at[b, rows], lo_s.at[slot]), (hi_g.at[b, rows], hi_s.at[slot]))
+      for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, landed.at[slot])
 
-    def step(idx, q_smem, do_smem, lse_smem, delta_smem, lo_smem, hi_smem, carry):
+    for idx in range(stages):
+      pl.when(idx < n)(lambda idx=idx: load(idx, idx))
+    plgpu.barrier_wait(kv_bars.at[0])
+    plgpu.barrier_wait(kv_bars.at[1])
+
+    def step(idx, carry):
       dk, dv = carry
-      t = qa + idx[0]
+      slot = lax.rem(idx, stages)
+      t = qa + idx
+      q_smem, do_smem = q_s.at[slot], do_s.at[slot]
+      plgpu.barrier_wait(landed.at[slot])
       # per column of the keys-first [TK, R] tile (query rows)
-      lse, delta = (_vec(r, 1, interpret) for r in (lse_smem, delta_smem))
+      lse, delta = (_vec(r.at[slot], 1, interpret) for r in (lse_s, delta_s))
 
       def seen():
-        lo, hi = (_vec(r, 1, interpret) for r in (lo_smem, hi_smem))
+        lo, hi = (_vec(r.at[slot], 1, interpret) for r in (lo_s, hi_s))
         return (key_ids >= cols_of(lo)) & (key_ids < cols_of(hi))
       sT, dpT = mms(Mm(k_smem, q_smem, st, rhs_t=True), Mm(v_smem, do_smem, st, rhs_t=True))
       sT = _mask_edge_tile(sT * qk_scale, (t >= ia) & (t < ib), seen)
@@ -719,25 +757,24 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
       dsT = pT * (dpT - cols_of(delta))
       dk, dv = mms(Mm(dsT.astype(dtype), q_smem, (tk, d), acc=dk, lhs_array=True),
                    Mm(pT.astype(dtype), do_smem, (tk, d), acc=dv, lhs_array=True))
+      # The slot's products are done (_mms waited for them): it takes tile idx + stages.
+      pl.when(idx + stages < n)(lambda: load(idx + stages, slot))
       return dk, dv
 
-    tile = plgpu.BlockSpec(block_shape=(ROWS, d), index_map=lambda t: (qa + t, 0),
-                           transforms=(tiling, swizzle))
-    vec = plgpu.BlockSpec(block_shape=(ROWS,), index_map=lambda t: (qa + t,))
     zeros = _zeros((tk, d), interpret)
-    dk, dv = plgpu.emit_pipeline(step, grid=(n,), in_specs=[tile, tile, vec, vec, vec, vec],
-                                 max_concurrent_steps=stages, init_carry=(zeros, zeros))(
-                                     q_g.at[b, h], do_g.at[b, h], lse_g.at[b, h],
-                                     delta_g.at[b, h], lo_g.at[b], hi_g.at[b])
+    dk, dv = lax.fori_loop(0, n, step, (zeros, zeros))
     k_smem[...] = (dk * scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_g.at[b, h, keys])
-    plgpu.copy_smem_to_gmem(v_smem, dv_g.at[b, h, keys])
+    plgpu.copy_smem_to_gmem(k_smem, dk_g.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(v_smem, dv_g.at[b, keys, h])
     plgpu.wait_smem_to_gmem(0)
 
-  tile = lambda: plgpu.SMEM((tk, d), dtype, transforms=(tiling, swizzle))
-  pl.run_scoped(scoped, tile(), tile(), plgpu.Barrier(num_barriers=2))
+  tile = lambda *shape: plgpu.SMEM((*shape, d), dtype, transforms=_swizzled())
+  vec = lambda dt: plgpu.SMEM((stages, ROWS), dt)
+  pl.run_scoped(scoped, tile(tk), tile(tk), tile(stages, ROWS), tile(stages, ROWS), vec(jnp.float32),
+                vec(jnp.float32), vec(jnp.int32), vec(jnp.int32), plgpu.Barrier(num_barriers=2),
+                plgpu.Barrier(num_arrivals=2 * groups + 4, num_barriers=stages))
 
 
 def _check(q, kc, block_size):
@@ -797,7 +834,7 @@ class _Geometry(NamedTuple):
   tq: int                 # query tokens of a 64-row tile
   lo: jax.Array           # per query token [B, Qp]: visible context [lo, hi)
   hi: jax.Array
-  lo_r: jax.Array         # per row [B, Qp * G] (token t's G rows t * G + g)
+  lo_r: jax.Array         # per row [B, Qp * G] (_tile_rows' order)
   hi_r: jax.Array
   ranges: jax.Array       # per query tile [B, Qp // tq, 4]: its tk-key tiles (triton._q_tile_ranges)
   any_row: jax.Array
@@ -813,7 +850,7 @@ def _geometry(st, q_shape, kc_shape, anchors, doc_start, valid, tk=KEYS) -> _Geo
                               f"one tile ({KEYS} keys, {tq} queries)")
   lo, hi = tri._row_bounds(anchors, doc_start, valid, plan=plan, window=st.window)
   ranges, any_row = tri._q_tile_ranges(lo, hi, tq=tq, tk=tk)
-  lo_r, hi_r = (jnp.repeat(x, G, axis=1) for x in (lo, hi))
+  lo_r, hi_r = (_tile_rows(jnp.repeat(x[:, :, None], G, axis=2), tq, G)[:, 0] for x in (lo, hi))
   return _Geometry(plan, tq, lo, hi, lo_r, hi_r, ranges, any_row)
 
 
@@ -827,71 +864,73 @@ def _pair_ranges(geo, n_tiles, tk):
   return tri._q_tile_ranges(lo2, hi2, tq=2 * geo.tq, tk=tk)[0]
 
 
-def _to_rows(x, plan, G):
-  """[B, Q, Hq, D] -> the tiles' rows [B, Hkv, Qp * G, D] (row t * G + g): 64 consecutive rows
-  are a tile's queries of one KV head, read as one contiguous slab."""
-  B, _, Hq, D = x.shape
-  x = tri._pad_blocks(x, plan).reshape(B, plan.Np * plan.Kp, Hq // G, G, D)
-  return x.transpose(0, 2, 1, 3, 4).reshape(B, Hq // G, -1, D)
+def _tile_rows(x, tq, G):
+  """One value per query token and head [B, Qp, Hq] -> per row [B, Hkv, Qp * G] in this module's
+  row order: 64-row tiles of tq tokens, a tile's row g * tq + t for its token t and head g of the
+  KV head (_tile_boxes)."""
+  B, Qp, Hq = x.shape
+  x = x.reshape(B, Qp // tq, tq, Hq // G, G).transpose(0, 3, 1, 4, 2)
+  return x.reshape(B, Hq // G, Qp * G)
 
 
-def _from_rows(x, plan, G):
-  """Inverse of _to_rows up to the block padding: -> [B, Qp, Hq, D] (padded)."""
-  B, Hkv, _, D = x.shape
-  return x.reshape(B, Hkv, plan.Np * plan.Kp, G, D).transpose(0, 2, 1, 3, 4).reshape(
-      B, plan.Np * plan.Kp, Hkv * G, D)
-
-
-_heads_first = lambda x: x.transpose(0, 2, 1, 3)      # [B, T, H, D] -> [B, H, T, D]
+def _triton_rows(x, tq, G, *, inverse=False):
+  """[B, Hkv, Qp * G] per row: this module's row order -> the Triton kernels' (row t * G + g of
+  token t; inverse: the other way). The lse crosses between the two backwards this way."""
+  B, Hkv, R = x.shape
+  inner = (tq, G) if inverse else (G, tq)
+  return x.reshape(B, Hkv, R // (tq * G), *inner).swapaxes(3, 4).reshape(B, Hkv, R)
 
 
 def _pad_own_keys(x, plan, tq):
-  """[B, H, Qp, ...] -> padded by 64 - tq (rounded to 64) on axis 2: a tile reads its own blocks'
-  keys as one 64-key box, the TMA tiling the key axis by 64."""
+  """[B, Qp, Hkv, D] -> padded by 64 - tq (rounded to 64) on the token axis: a tile reads its own
+  blocks' keys as one 64-key box, the TMA tiling the key axis by 64."""
   Qp = plan.Np * plan.Kp
   extra = tri._round_up(Qp + ROWS - tq, ROWS) - Qp
-  pad = [(0, 0)] * x.ndim
-  pad[2] = (0, extra)
-  return jnp.pad(x, pad)
+  return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+
+def _params(st):
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+              interpret=_interpret_params(st.interpret))
 
 
 def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
   """-> (out, out_p padded [B, Qp, Hq, D], lse base 2 [B, Hkv, Qp * G]) in the layouts of
-  triton._forward (its backward reads them)."""
+  triton._forward (its backward reads them). The kernels read q, K and V and write out where the
+  caller's arrays are ([B, tokens, heads, D]): no transposed copies (the Triton kernels' way)."""
   B, _, Hq, D = q.shape
   Hkv = kc.shape[2]
   G = Hq // Hkv
   tk = _keys_per_step(tri._plan(st, q.shape, kc.shape), st.tiles.fwd_keys)
   geo = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid, tk)
   plan, tq = geo.plan, geo.tq
-  q_rows = _to_rows(q, plan, G)
-  kc_h, vc_h = (_heads_first(tri._pad_keys(x, plan)) for x in (kc, vc))
-  kb_h, vb_h = (_pad_own_keys(_heads_first(tri._pad_blocks(x, plan)), plan, tq) for x in (kb, vb))
-  n_tiles = q_rows.shape[2] // ROWS
-  out_type = (jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-              jax.ShapeDtypeStruct((B, Hkv, q_rows.shape[2]), jnp.float32))
+  q_p = tri._pad_blocks(q, plan)
+  kc_p, vc_p = (tri._pad_keys(x, plan) for x in (kc, vc))
+  kb_p, vb_p = (_pad_own_keys(tri._pad_blocks(x, plan), plan, tq) for x in (kb, vb))
+  Qp = q_p.shape[1]
+  n_tiles = Qp // tq
+  out_type = (jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+              jax.ShapeDtypeStruct((B, Hkv, Qp * G), jnp.float32))
   kw = dict(tq=tq, tk=tk, groups=G, kp=plan.Kp, k_real=st.block_size,
             causal=st.window is not None, qk_scale=st.scale * math.log2(math.e),
             n_kt=plan.Sp // tk, stages=st.tiles.fwd_stages, interpret=st.interpret)
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-                interpret=_interpret_params(st.interpret))
-  args = (geo.ranges, geo.lo_r, geo.hi_r, q_rows, kc_h, vc_h, kb_h, vb_h)
+  args = (geo.ranges, geo.lo_r, geo.hi_r, q_p, kc_p, vc_p, kb_p, vb_p)
   if st.tiles.fwd_warpgroups == 2:
-    o_rows, lse = plgpu.kernel(
+    out_p, lse = plgpu.kernel(
         lambda *refs: _forward_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
         grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
-        thread_name="wg", **params)(_pair_ranges(geo, n_tiles, tk), *args)
+        thread_name="wg", **_params(st))(_pair_ranges(geo, n_tiles, tk), *args)
   else:
-    o_rows, lse = plgpu.kernel(
+    out_p, lse = plgpu.kernel(
         lambda *refs: _forward_kernel(*refs, **kw), out_type=out_type,
-        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **params)(*args)
-  out_p = _from_rows(o_rows, plan, G)
-  return tri._unpad_blocks(out_p, plan), out_p, lse
+        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **_params(st))(*args)
+  return tri._unpad_blocks(out_p, plan), out_p, _triton_rows(lse, tq, G)
 
 
 def _backward(st, res, dout):
   """The Mosaic GPU dQ (+ own-block dK/dV) and context dK/dV kernels: triton._dflash_bwd's
-  contract, from the forward's padded output and base-2 lse."""
+  contract, from the forward's padded output and base-2 lse. As the forward, the kernels read
+  and write the caller's layouts."""
   q, kc, vc, kb, vb, anchors, doc_start, valid, out_p, lse = res
   B, _, Hq, D = q.shape
   Hkv = kc.shape[2]
@@ -900,46 +939,41 @@ def _backward(st, res, dout):
   plan, tq = geo.plan, geo.tq
   tk_dq = _keys_per_step(plan, st.tiles.dq_keys)
   ranges_dq = _geometry(st, q.shape, kc.shape, anchors, doc_start, valid, tk_dq).ranges
-  do_p = tri._pad_blocks(dout.astype(q.dtype), plan)
-  # D_r = sum_d dO * O per row, one fused XLA reduction, in the lse's layout [B, Hkv, Qp * G].
-  delta = jnp.sum(do_p.astype(jnp.float32) * out_p.astype(jnp.float32), -1)
-  delta = delta.reshape(B, -1, Hkv, G).transpose(0, 2, 1, 3).reshape(B, Hkv, -1)
-  q_rows, do_rows = _to_rows(q, plan, G), _to_rows(dout.astype(q.dtype), plan, G)
-  kc_h, vc_h = (_heads_first(tri._pad_keys(x, plan)) for x in (kc, vc))
-  kb_h, vb_h = (_pad_own_keys(_heads_first(tri._pad_blocks(x, plan)), plan, tq) for x in (kb, vb))
-  Qp, n_rows, n_kt = plan.Np * plan.Kp, q_rows.shape[2], plan.Sp // KEYS
+  q_p, do_p = (tri._pad_blocks(x.astype(q.dtype), plan) for x in (q, dout))
+  # D_r = sum_d dO * O per row, one fused XLA reduction, in the kernels' row order.
+  delta = _tile_rows(jnp.sum(do_p.astype(jnp.float32) * out_p.astype(jnp.float32), -1), tq, G)
+  lse = _triton_rows(lse, tq, G, inverse=True)
+  kc_p, vc_p = (tri._pad_keys(x, plan) for x in (kc, vc))
+  kb_p, vb_p = (_pad_own_keys(tri._pad_blocks(x, plan), plan, tq) for x in (kb, vb))
+  Qp, n_kt = q_p.shape[1], plan.Sp // KEYS
+  n_tiles = Qp // tq
   qk_scale = st.scale * math.log2(math.e)
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-                interpret=_interpret_params(st.interpret))
-  blk = jax.ShapeDtypeStruct((B, Hkv, Qp, D), q.dtype)
+  blk = jax.ShapeDtypeStruct((B, Qp, Hkv, D), q.dtype)
   kw = dict(tq=tq, tk=tk_dq, groups=G, kp=plan.Kp, k_real=st.block_size,
             causal=st.window is not None, qk_scale=qk_scale, scale=st.scale,
             n_kt=plan.Sp // tk_dq, stages=st.tiles.dq_stages, interpret=st.interpret)
-  out_type = (jax.ShapeDtypeStruct(q_rows.shape, q.dtype), blk, blk)
-  args = (ranges_dq, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h, kb_h, vb_h)
-  n_tiles = n_rows // ROWS
+  out_type = (jax.ShapeDtypeStruct(q_p.shape, q.dtype), blk, blk)
+  args = (ranges_dq, geo.lo_r, geo.hi_r, q_p, do_p, lse, delta, kc_p, vc_p, kb_p, vb_p)
   if st.tiles.dq_warpgroups == 2:
-    dq_rows, dkb, dvb = plgpu.kernel(
+    dq, dkb, dvb = plgpu.kernel(
         lambda *refs: _dq_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
         grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
-        thread_name="wg", **params)(_pair_ranges(geo, n_tiles, tk_dq), *args)
+        thread_name="wg", **_params(st))(_pair_ranges(geo, n_tiles, tk_dq), *args)
   else:
-    dq_rows, dkb, dvb = plgpu.kernel(
+    dq, dkb, dvb = plgpu.kernel(
         lambda *refs: _dq_kernel(*refs, **kw), out_type=out_type,
-        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **params)(*args)
+        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **_params(st))(*args)
   k_ranges = tri._k_tile_ranges(geo.ranges, geo.any_row, nkt=n_kt)
-  ctx = jax.ShapeDtypeStruct(kc_h.shape, q.dtype)
+  ctx = jax.ShapeDtypeStruct(kc_p.shape, q.dtype)
   dkc, dvc = plgpu.kernel(
-      lambda *refs: _dkv_kernel(*refs, tk=KEYS, qk_scale=qk_scale, scale=st.scale,
-                                n_qt=n_rows // ROWS, stages=st.tiles.dkv_stages,
+      lambda *refs: _dkv_kernel(*refs, tk=KEYS, tq=tq, groups=G, qk_scale=qk_scale,
+                                scale=st.scale, n_qt=n_tiles, stages=st.tiles.dkv_stages,
                                 interpret=st.interpret),
-      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"), **params)(
-          k_ranges, geo.lo_r, geo.hi_r, q_rows, do_rows, lse, delta, kc_h, vc_h)
-  dq = tri._unpad_blocks(_from_rows(dq_rows, plan, G), plan)
+      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"), **_params(st))(
+          k_ranges, geo.lo_r, geo.hi_r, q_p, do_p, lse, delta, kc_p, vc_p)
   S = plan.S
-  blocks = lambda x: tri._unpad_blocks(_heads_first(x), plan)
-  return (dq, _heads_first(dkc)[:, :S], _heads_first(dvc)[:, :S], blocks(dkb), blocks(dvb),
-          None, None, None)
+  blocks = lambda x: tri._unpad_blocks(x, plan)
+  return (blocks(dq), dkc[:, :S], dvc[:, :S], blocks(dkb), blocks(dvb), None, None, None)
 
 
 # Interpreted (CPU), the Triton kernels' tiles are those of the Mosaic GPU ones, so that the plan's
