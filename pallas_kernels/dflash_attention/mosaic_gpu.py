@@ -13,7 +13,8 @@ the Triton backward unchanged. One warpgroup per tile of 64 rows or keys (the M 
     the G heads), query tiles (q, dO, lse, delta, lo, hi) streamed over its query-tile range.
 Every kernel reads q, K, V, dO and writes out, dQ, dK, dV where the caller's arrays are
 ([B, tokens, heads, D]): a query tile arrives as G TMA boxes of [TQ, D], one per query head
-(_tile_boxes), so no transposed copy is made (they cost ~0.7 ms of 6 at the 27B's sliding 8k).
+(_tile_boxes), so no transposed copy is made (17 before 3208080: ~1.9 GB of traffic at the
+sliding 8k, ~0.6 ms of its 6 by their bytes; not yet timed on a GPU).
 
 dflash_attention_mosaic puts the forward under a custom VJP whose backward is either these dQ and
 dK/dV kernels (backward="mosaic") or the Triton ones (backward="triton").
@@ -29,8 +30,10 @@ MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2) selects warp-specialised forward
 two compute warpgroups on query tiles 2i and 2i + 1 share the context K/V tiles that a third
 (TMA) warpgroup streams over the union of their ranges, and take turns on the tensor cores.
 
-Status (2026-12-05, one H100, benchmarks/h100-2026-12-05c-mosaic-on-gpu/): correct on the GPU
-(tests and the bench's checks against the Triton kernel). Sliding 8k fwd+bwd, all Mosaic: 284
+Status (2026-12-05, one H100, benchmarks/h100-2026-12-05c-mosaic-on-gpu/, the code before
+3208080, which read transposed copies): correct on the GPU (tests and the bench's checks against
+the Triton kernel). 3208080 (no copies) has run only interpreted and lowered, not yet on a GPU
+(`bash scripts/h200_checks.sh mosaic-all`). Sliding 8k fwd+bwd, all Mosaic: 284
 useful TF/s against the Triton kernel's 265 (independent products issued together, `_mms`); the
 warp-specialised forward is the fastest forward (336 against 312 TF/s), its dQ is slower than
 the one-warpgroup dQ. The one-warpgroup forward loses on a long full layer (65k: 254 against 407

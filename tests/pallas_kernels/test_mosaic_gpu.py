@@ -113,7 +113,7 @@ def test_the_kernels_make_no_transposed_copy_of_the_tensors(warpgroups):
   [B, tokens, heads, D] layout (a query tile as G TMA boxes): the lowered forward + backward at
   the 27B's heads moves no 16-bit tensor, only per-row bounds and softmax statistics (1 / D of
   q's size). Before 3208080 the forward + backward made 17 transposed copies (heads first, and
-  back), ~2.4 GB of traffic at the bench's sliding 8k: ~0.7 ms of its 6 by their bytes alone."""
+  back), ~1.9 GB of traffic at the bench's sliding 8k: ~0.6 ms of its 6 by their bytes alone."""
   tiles = mg.MosaicConfig(fwd_warpgroups=warpgroups, dq_warpgroups=warpgroups)
 
   def loss(*x):
