@@ -7,9 +7,10 @@ implementation:
   "triton"     the Pallas-Triton kernel (triton.py); with interpret=True it runs on CPU.
   "mosaic"     the Pallas Mosaic GPU kernels for Hopper (mosaic_gpu.py: forward, dQ, dK/dV; bf16 /
                f16, head sizes up to 128); with interpret=True JAX's Mosaic GPU interpreter runs
-               them on CPU. Chosen only by name: on one H100 it runs sliding 8k fwd+bwd at
-               284 useful TF/s against Triton's 265, but the training step has not been timed
-               with it and a long full layer's forward is slower.
+               them on CPU. Chosen only by name: on one H100 it ran sliding 8k fwd+bwd at
+               284 useful TF/s against Triton's 265 (before 3208080, with transposed copies
+               since removed), but the training step has not been timed with it and a long
+               full layer's forward is slower.
 """
 
 from __future__ import annotations
