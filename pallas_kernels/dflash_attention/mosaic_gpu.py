@@ -165,11 +165,10 @@ def _mask_edge_tile(s, interior, seen):
   return lax.cond(interior, lambda x: x, lambda x: jnp.where(seen(), x, tri._NEG), s)
 
 
-def _own_block_mask(*, keys_first, tq, groups, kp, k_real, causal, interpret):
+def _own_block_mask(*, keys_first, tq, kp, k_real, causal, interpret):
   """[64, 64] (rows x own keys; keys x rows with keys_first): may row r (token r % tq of this
   tile, _tile_boxes' order) see key c of the 64-key own-block tile (its first tq keys are this
   tile's blocks, the rest padding). The forward's and dQ's own-block tile."""
-  del groups
   shape = (ROWS, ROWS)
   r_ids = _iota(shape, 1 if keys_first else 0, interpret)
   c_ids = _iota(shape, 0 if keys_first else 1, interpret)
@@ -253,7 +252,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   d, dtype = q_g.shape[-1], q_g.dtype
   tiling, swizzle = _swizzled()
   block_mask = lambda keys_first: _own_block_mask(
-      keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+      keys_first=keys_first, tq=tq, kp=kp, k_real=k_real, causal=causal,
       interpret=interpret)
 
   # SMEM in two nested phases, so that the own blocks' tiles (released after the first) and the
@@ -465,7 +464,7 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
 
     # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
     s, = mms(Mm(q_smem, kb_smem, (ROWS, ROWS), rhs_t=True))
-    block_mask = _own_block_mask(keys_first=False, tq=tq, groups=groups, kp=kp,
+    block_mask = _own_block_mask(keys_first=False, tq=tq, kp=kp,
                                  k_real=k_real, causal=causal, interpret=interpret)
     s = jnp.where(block_mask, s * qk_scale, tri._NEG)
     m = s.max(axis=1)
@@ -535,7 +534,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
   d, dtype = q_g.shape[-1], q_g.dtype
   tiling, swizzle = _swizzled()
   block_mask = lambda keys_first: _own_block_mask(
-      keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+      keys_first=keys_first, tq=tq, kp=kp, k_real=k_real, causal=causal,
       interpret=interpret)
   rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])   # per query row, rows-first
 
@@ -650,7 +649,7 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
     lse_c, delta_c, lo, hi = (_vec(r, 0, interpret) for r in (lse_s, delta_s, lo_s, hi_s))
     lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t, delta_t))
     block_mask = lambda keys_first: _own_block_mask(
-        keys_first=keys_first, tq=tq, groups=groups, kp=kp, k_real=k_real, causal=causal,
+        keys_first=keys_first, tq=tq, kp=kp, k_real=k_real, causal=causal,
         interpret=interpret)
 
     # The own blocks: dQ's share, and their dK and dV.
@@ -775,8 +774,9 @@ def _dkv_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, dk_
 
   tile = lambda *shape: plgpu.SMEM((*shape, d), dtype, transforms=_swizzled())
   vec = lambda dt: plgpu.SMEM((stages, ROWS), dt)
-  pl.run_scoped(scoped, tile(tk), tile(tk), tile(stages, ROWS), tile(stages, ROWS), vec(jnp.float32),
-                vec(jnp.float32), vec(jnp.int32), vec(jnp.int32), plgpu.Barrier(num_barriers=2),
+  pl.run_scoped(scoped, tile(tk), tile(tk), tile(stages, ROWS), tile(stages, ROWS),
+                vec(jnp.float32), vec(jnp.float32), vec(jnp.int32), vec(jnp.int32),
+                plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_arrivals=2 * groups + 4, num_barriers=stages))
 
 
