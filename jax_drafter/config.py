@@ -387,8 +387,9 @@ class TrainSection:
                                     # natively (GPUs; CPUs with AMX or AVX512-BF16), else float32
   attention: str | None = None      # dflash_attention implementation: None = best available
                                     # (Pallas-Triton on a GPU, xla on a CPU), triton, mosaic (the
-                                    # Mosaic GPU kernels, Hopper: faster kernels on sliding layers,
-                                    # the step not timed yet), xla, reference
+                                    # Mosaic GPU kernels, Hopper: faster kernels on sliding layers
+                                    # before 3208080; the code since, without copies, and the
+                                    # step not timed yet), xla, reference
   seed: int = 0
   log_every: int = 10
   checkpoint_every: int = 100

@@ -192,6 +192,20 @@ def _tile_boxes(x_g, tile_smem, b, h, t, tq, groups):
           for g in range(groups)]
 
 
+def _copy_in(copies, bars, first=0):
+  """Issues the (GMEM, SMEM) copies, copy j on barrier bars[first + j], then waits for all."""
+  for j, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[first + j])
+  for j in range(len(copies)):
+    plgpu.barrier_wait(bars.at[first + j])
+
+
+def _store_tile(x_g, tile_smem, b, h, t, tq, groups):
+  """Query tile t's [64, D] buffer out to x_g ([B, Qp, Hq, D]) as its G boxes (_tile_boxes)."""
+  for dst, src in _tile_boxes(x_g, tile_smem, b, h, t, tq, groups):
+    plgpu.copy_smem_to_gmem(src, dst)
+
+
 def _query_tile_indices():
   """(i, h, b, the tile's 64 rows) of a kernel on the query-tile grid ("q", "h", "b")."""
   i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -261,10 +275,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
   def scoped(q_smem, lo_smem, hi_smem, lse_smem, bars):
     copies = (*_tile_boxes(q_g, q_smem, b, h, i, tq, groups), (lo_g.at[b, rows], lo_smem),
               (hi_g.at[b, rows], hi_smem))
-    for j, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst, bars.at[j])
-    for j in range(len(copies)):
-      plgpu.barrier_wait(bars.at[j])
+    _copy_in(copies, bars)
     lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
     def scores(k_ref, width):    # q k^T of a [width, D] key tile
@@ -320,8 +331,7 @@ def _forward_kernel(ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_g, vb_g, o_g, lse_
 
     _finish_rows(acc, m, l, lo, q_smem, lse_smem, dtype)
     plgpu.commit_smem()
-    for dst, src in _tile_boxes(o_g, q_smem, b, h, i, tq, groups):
-      plgpu.copy_smem_to_gmem(src, dst)
+    _store_tile(o_g, q_smem, b, h, i, tq, groups)
     plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
@@ -456,10 +466,7 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
     copies = (*_tile_boxes(q_g, q_smem, b, h, t, tq, groups), (lo_g.at[b, rows], lo_smem),
               (hi_g.at[b, rows], hi_smem), (kb_g.at[b, pl.ds(t * tq, ROWS), h], kb_smem),
               (vb_g.at[b, pl.ds(t * tq, ROWS), h], vb_smem))
-    for j, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
-    for j in range(n_in):
-      plgpu.barrier_wait(in_bars.at[wg * n_in + j])
+    _copy_in(copies, in_bars, wg * n_in)
     lo, hi = _vec(lo_smem, 0, interpret), _vec(hi_smem, 0, interpret)
 
     # The own blocks first (every real row sees its block's key 0: m is finite afterwards).
@@ -512,8 +519,7 @@ def _forward_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, kc_g, vc_g, kb_
 
     @pl.when(2 * i + wg < n_tiles)
     def _store():
-      for dst, src in _tile_boxes(o_g, q_smem, b, h, t, tq, groups):
-        plgpu.copy_smem_to_gmem(src, dst)
+      _store_tile(o_g, q_smem, b, h, t, tq, groups)
       plgpu.copy_smem_to_gmem(lse_smem, lse_g.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
@@ -552,10 +558,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
               (lse_g.at[b, h, rows], lse_smem), (delta_g.at[b, h, rows], delta_smem),
               (lse_g.at[b, h, rows], lse_t_smem), (delta_g.at[b, h, rows], delta_t_smem),
               (lo_g.at[b, rows], lo_smem), (hi_g.at[b, rows], hi_smem))
-    for j, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst, bars.at[j])
-    for j in range(len(copies)):
-      plgpu.barrier_wait(bars.at[j])
+    _copy_in(copies, bars)
     # per row of a rows-first [R, X] tile (_c) and per column of a keys-first [X, R] one (_r)
     lse_c, delta_c, lo, hi = (_vec(r, 0, interpret)
                               for r in (lse_smem, delta_smem, lo_smem, hi_smem))
@@ -603,8 +606,7 @@ def _dq_kernel(ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g, kc_g, vc_g, kb_g
                                  kc_g.at[b, :, h], vc_g.at[b, :, h])
     q_smem[...] = (dq * scale).astype(dtype)      # the q tile's buffer holds dQ
     plgpu.commit_smem()
-    for dst, src in _tile_boxes(dq_g, q_smem, b, h, i, tq, groups):
-      plgpu.copy_smem_to_gmem(src, dst)
+    _store_tile(dq_g, q_smem, b, h, i, tq, groups)
     plgpu.wait_smem_to_gmem(0)
 
   tile = lambda: plgpu.SMEM((ROWS, d), dtype, transforms=(tiling, swizzle))
@@ -642,10 +644,7 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
               (lse_g.at[b, h, rows], lse_t), (delta_g.at[b, h, rows], delta_t),
               (lo_g.at[b, rows], lo_s), (hi_g.at[b, rows], hi_s),
               (kb_g.at[b, own, h], kb_smem), (vb_g.at[b, own, h], vb_smem))
-    for j, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[wg * n_in + j])
-    for j in range(n_in):
-      plgpu.barrier_wait(in_bars.at[wg * n_in + j])
+    _copy_in(copies, in_bars, wg * n_in)
     lse_c, delta_c, lo, hi = (_vec(r, 0, interpret) for r in (lse_s, delta_s, lo_s, hi_s))
     lse_r, delta_r = (_vec(r, 1, interpret) for r in (lse_t, delta_t))
     block_mask = lambda keys_first: _own_block_mask(
@@ -692,8 +691,7 @@ def _dq_ws_kernel(pair_ranges_g, ranges_g, lo_g, hi_g, q_g, do_g, lse_g, delta_g
 
     @pl.when(store)
     def _():
-      for dst, src in _tile_boxes(dq_g, q_smem, b, h, t, tq, groups):
-        plgpu.copy_smem_to_gmem(src, dst)
+      _store_tile(dq_g, q_smem, b, h, t, tq, groups)
     plgpu.wait_smem_to_gmem(0)
 
   tile = plgpu.SMEM((2, ROWS, d), dtype, transforms=_swizzled())
