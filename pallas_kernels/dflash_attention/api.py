@@ -1,16 +1,18 @@
 """Public entry point of the DFlash attention op: validates inputs, then picks an implementation.
 
 implementation:
-  None         best available: the Pallas-Triton kernel on a CUDA GPU, else "xla".
+  None         best available: on a Hopper GPU (H100/H200, sm_90) the Mosaic GPU kernels for
+               sliding-window layers and the Pallas-Triton kernel for full-attention layers; on
+               any other CUDA GPU the Pallas-Triton kernel; on a CPU "xla". Where the Mosaic GPU
+               kernels do not take the inputs (f32, head size over 128, ...) Triton runs.
   "reference"  reference.py in f32 at HIGHEST precision (the oracle; slow, memory O(Q*S)).
   "xla"        the same dense-mask math, matmuls in the input dtype, f32 softmax statistics.
   "triton"     the Pallas-Triton kernel (triton.py); with interpret=True it runs on CPU.
   "mosaic"     the Pallas Mosaic GPU kernels for Hopper (mosaic_gpu.py: forward, dQ, dK/dV; bf16 /
                f16, head sizes up to 128); with interpret=True JAX's Mosaic GPU interpreter runs
-               them on CPU. Chosen only by name: on one H100 it ran sliding 8k fwd+bwd at
-               284 useful TF/s against Triton's 265 (before 3208080, with transposed copies
-               since removed), but the training step has not been timed with it and a long
-               full layer's forward is slower.
+               them on CPU. On one H100 (2026-12-06) they ran the 27B drafter's sliding 8k layer
+               forward + backward at 311 useful TF/s against Triton's 250; on a long full layer
+               the forward measured slower than Triton's (2026-12-05), so full layers keep Triton.
 """
 
 from __future__ import annotations
@@ -80,14 +82,29 @@ def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def default_implementation() -> str:
+def _on_hopper() -> bool:
+  """JAX's first device is an sm_90 GPU (H100/H200): the GPUs with wgmma that Mosaic GPU targets."""
+  if not _on_gpu():
+    return False
+  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+  return cc.split(".")[0] == "9"
+
+
+def default_implementation(window: int | None = None) -> str:
+  """The implementation used when none is named, for a layer of this window (None: full)."""
   try:
     if _on_gpu():
       from pallas_kernels.dflash_attention import triton  # noqa: F401
-      return "triton"
+      return "mosaic" if window is not None and _on_hopper() else "triton"
   except (ImportError, NotImplementedError):
     pass
   return "xla"
+
+
+def _fallback_warning(e: Exception, to: str, cost: str) -> None:
+  if str(e) not in _warned:  # once per reason and process
+    _warned.add(str(e))
+    log.warning("dflash_attention: the %s (%s); using %s", cost, e, to)
 
 
 def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, *,
@@ -101,7 +118,9 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
   bool [B, N]; window None for a full-attention layer. Returns [B, N*K, Hq, D] in q's dtype.
   """
   _check(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size, window)
-  impl = implementation or default_implementation()
+  impl = implementation or default_implementation(window)
+  if implementation is None and impl == "mosaic" and backward not in (None, "mosaic"):
+    impl = "triton"                # a Triton backward variant was asked for by name
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={impl!r} is not one of {IMPLEMENTATIONS}")
   anchors = anchors.astype(jnp.int32)
@@ -114,9 +133,17 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
       raise ValueError("implementation='mosaic' runs on an NVIDIA Hopper GPU (H100/H200), and JAX "
                        f"sees {jax.default_backend()!r}: leave the implementation unset (the "
                        "best available), or pass interpret=True to interpret it on a CPU")
-    return mosaic_gpu.dflash_attention_mosaic(
-        q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
-        window=window, scale=scale, backward="mosaic", interpret=interpret)
+    try:
+      return mosaic_gpu.dflash_attention_mosaic(
+          q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size=block_size,
+          window=window, scale=scale, backward="mosaic", interpret=interpret)
+    except NotImplementedError as e:
+      if implementation is not None:
+        raise
+      # the default's choice on Hopper: the Triton kernel takes what Mosaic GPU's does not
+      _fallback_warning(e, "the Pallas-Triton kernel",
+                        "Mosaic GPU kernels do not take these inputs")
+      impl = "triton"
   if impl == "triton":
     try:
       from pallas_kernels.dflash_attention import triton
@@ -126,10 +153,9 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
     except (ImportError, NotImplementedError) as e:
       if implementation is not None:
         raise
-      if str(e) not in _warned:  # a silent fallback would hide a many-fold cost in memory
-        _warned.add(str(e))
-        log.warning("dflash_attention: the Pallas kernel does not take these inputs (%s); "
-                    "using the dense XLA path, which holds [queries, keys] score matrices", e)
+      # a silent fallback would hide a many-fold cost in memory
+      _fallback_warning(e, "the dense XLA path, which holds [queries, keys] score matrices",
+                        "Pallas kernel does not take these inputs")
       impl = "xla"
   if impl == "reference":
     fn = functools.partial(reference.dflash_attention_reference, compute_dtype=jnp.float32,

@@ -890,9 +890,11 @@ def _pad_own_keys(x, plan, tq):
   return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
-def _params(st):
+def _params(st, name):
+  """plgpu.kernel's arguments; the kernels take the Triton kernels' names (dflash_fwd, ...), which
+  the memory report looks for in the compiled step."""
   return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-              interpret=_interpret_params(st.interpret))
+              interpret=_interpret_params(st.interpret), kernel_name=name)
 
 
 def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
@@ -920,11 +922,11 @@ def _forward(q, kc, vc, kb, vb, anchors, doc_start, valid, st):
     out_p, lse = plgpu.kernel(
         lambda *refs: _forward_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
         grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
-        thread_name="wg", **_params(st))(_pair_ranges(geo, n_tiles, tk), *args)
+        thread_name="wg", **_params(st, "dflash_fwd"))(_pair_ranges(geo, n_tiles, tk), *args)
   else:
     out_p, lse = plgpu.kernel(
         lambda *refs: _forward_kernel(*refs, **kw), out_type=out_type,
-        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **_params(st))(*args)
+        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **_params(st, "dflash_fwd"))(*args)
   return tri._unpad_blocks(out_p, plan), out_p, _triton_rows(lse, tq, G)
 
 
@@ -959,19 +961,21 @@ def _backward(st, res, dout):
     dq, dkb, dvb = plgpu.kernel(
         lambda *refs: _dq_ws_kernel(*refs, n_tiles=n_tiles, **kw), out_type=out_type,
         grid=(-(-n_tiles // 2), Hkv, B), grid_names=("q", "h", "b"), num_threads=3,
-        thread_name="wg", **_params(st))(_pair_ranges(geo, n_tiles, tk_dq), *args)
+        thread_name="wg", **_params(st, "dflash_bwd_dq"))(_pair_ranges(geo, n_tiles, tk_dq), *args)
   else:
     dq, dkb, dvb = plgpu.kernel(
         lambda *refs: _dq_kernel(*refs, **kw), out_type=out_type,
-        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"), **_params(st))(*args)
+        grid=(n_tiles, Hkv, B), grid_names=("q", "h", "b"),
+        **_params(st, "dflash_bwd_dq"))(*args)
   k_ranges = tri._k_tile_ranges(geo.ranges, geo.any_row, nkt=n_kt)
   ctx = jax.ShapeDtypeStruct(kc_p.shape, q.dtype)
   dkc, dvc = plgpu.kernel(
       lambda *refs: _dkv_kernel(*refs, tk=KEYS, tq=tq, groups=G, qk_scale=qk_scale,
                                 scale=st.scale, n_qt=n_tiles, stages=st.tiles.dkv_stages,
                                 interpret=st.interpret),
-      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"), **_params(st))(
-          k_ranges, geo.lo_r, geo.hi_r, q_p, do_p, lse, delta, kc_p, vc_p)
+      out_type=(ctx, ctx), grid=(n_kt, Hkv, B), grid_names=("k", "h", "b"),
+      **_params(st, "dflash_bwd_dkv"))(k_ranges, geo.lo_r, geo.hi_r, q_p, do_p, lse, delta, kc_p,
+                                       vc_p)
   S = plan.S
   blocks = lambda x: tri._unpad_blocks(x, plan)
   return (blocks(dq), dkc[:, :S], dvc[:, :S], blocks(dkb), blocks(dvb), None, None, None)

@@ -174,6 +174,7 @@ def test_the_step_lowers_for_cuda_with_the_mosaic_kernels(monkeypatch):
   text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
   assert "__gpu$xla.gpu.triton" not in text, "a Triton kernel in the mosaic step"
+  assert memory._KERNEL_CALLS.search(text), "the report would not find the kernels by name"
 
 
 def test_doubling_vocab_and_chunk_moves_the_ce_buffer(base):
