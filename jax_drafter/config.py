@@ -386,10 +386,9 @@ class TrainSection:
                                     # "auto": bfloat16 where the drafter's devices multiply it
                                     # natively (GPUs; CPUs with AMX or AVX512-BF16), else float32
   attention: str | None = None      # dflash_attention implementation: None = best available
-                                    # (Pallas-Triton on a GPU, xla on a CPU), triton, mosaic (the
-                                    # Mosaic GPU kernels, Hopper: faster kernels on sliding layers
-                                    # before 3208080; the code since, without copies, and the
-                                    # step not timed yet), xla, reference
+                                    # (mosaic on Hopper, Pallas-Triton on other GPUs, xla on a
+                                    # CPU), triton, mosaic (the Mosaic GPU kernels for H100/H200),
+                                    # xla, reference
   seed: int = 0
   log_every: int = 10
   checkpoint_every: int = 100

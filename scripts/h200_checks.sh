@@ -55,15 +55,15 @@ part_cmds() {
       # (one H100, 2026-12-05: 8k with three tile variants took ~110 s; the GPU tests did not
       # finish in 110 s with the warp-specialised cases, hence 240 s and last)
       run timeout 100 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 8192x1024 --mosaic-tiles default,wsf
+          --shapes 8192x1024 --mosaic-tiles default,wg1
       run timeout 150 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 65536x2048 --layers full --mosaic-tiles default,wsf
+          --shapes 65536x2048 --layers full --mosaic-tiles default,wg1
       run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
           -p no:cacheprovider ;;
     mosaic-all)     # one call: the sliding 8k bench, the 27b-8k step pair, then the GPU tests
                     # with what time is left
       run timeout 110 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
-          --shapes 8192x1024 --mosaic-tiles default,wsf
+          --shapes 8192x1024 --mosaic-tiles default,wg1
       part_cmds mosaic-step
       run timeout 150 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf -x \
           -p no:cacheprovider ;;

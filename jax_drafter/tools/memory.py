@@ -147,9 +147,8 @@ def _attention(plan: Plan | None, hlo_text: str, instrs, peak: list[Buffer], lr,
   if plan is not None:
     from pallas_kernels.dflash_attention import api
     asked = (plan.attn_impl or {}).get("implementation")
-    full, sliding = api.default_implementation(), api.default_implementation(window=1)
-    chosen = full if full == sliding else f"{full} on full layers, {sliding} on sliding ones"
-    impl = asked or f"{chosen} (the default on {jax.default_backend()})"
+    impl = asked or (f"{api.default_implementation(plan.cfg.head_dim)} (the default on "
+                     f"{jax.default_backend()})")
   dense = lambda name: DENSE_ATTENTION in getattr(instrs.get(name.split("{")[0]), "where", "")
   dense_bufs = [b for b in peak if DENSE_ATTENTION in b.where]
   att = Attention(impl, any(DENSE_ATTENTION in i.where for i in instrs.values()),

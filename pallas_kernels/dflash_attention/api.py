@@ -2,17 +2,19 @@
 
 implementation:
   None         best available: on a Hopper GPU (H100/H200, sm_90) the Mosaic GPU kernels for
-               sliding-window layers and the Pallas-Triton kernel for full-attention layers; on
-               any other CUDA GPU the Pallas-Triton kernel; on a CPU "xla". Where the Mosaic GPU
-               kernels do not take the inputs (f32, head size over 128, ...) Triton runs.
+               head sizes 65-128, where they take the inputs (bf16/f16, ...), else the
+               Pallas-Triton kernel; on any other CUDA GPU the Pallas-Triton kernel; on a CPU
+               "xla". Head sizes up to 64 (SmolLM2's drafter) keep Triton on Hopper too: the
+               Mosaic GPU kernels are measured faster at head size 128 only.
   "reference"  reference.py in f32 at HIGHEST precision (the oracle; slow, memory O(Q*S)).
   "xla"        the same dense-mask math, matmuls in the input dtype, f32 softmax statistics.
   "triton"     the Pallas-Triton kernel (triton.py); with interpret=True it runs on CPU.
   "mosaic"     the Pallas Mosaic GPU kernels for Hopper (mosaic_gpu.py: forward, dQ, dK/dV; bf16 /
                f16, head sizes up to 128); with interpret=True JAX's Mosaic GPU interpreter runs
-               them on CPU. On one H100 (2026-12-06) they ran the 27B drafter's sliding 8k layer
-               forward + backward at 311 useful TF/s against Triton's 250; on a long full layer
-               the forward measured slower than Triton's (2026-12-05), so full layers keep Triton.
+               them on CPU. On one H100 (2026-12-06) they ran the 27B drafter's attention forward +
+               backward at 320 useful TF/s against Triton's 261 (sliding window 2048, 8k
+               tokens, 1024 anchors) and 381 against 354-361 (full layer, 64k tokens, 2048
+               anchors): benchmarks/h100-2026-12-06-mosaic-default.
 """
 
 from __future__ import annotations
@@ -90,12 +92,18 @@ def _on_hopper() -> bool:
   return cc.split(".")[0] == "9"
 
 
-def default_implementation(window: int | None = None) -> str:
-  """The implementation used when none is named, for a layer of this window (None: full)."""
+# The smallest head size for which the default takes the Mosaic GPU kernels on Hopper: they were
+# timed against Triton at head size 128 (benchmarks/h100-2026-12-06-mosaic-default), not below.
+MOSAIC_DEFAULT_MIN_HEAD_DIM = 65
+
+
+def default_implementation(head_dim: int | None = None) -> str:
+  """The implementation used when none is named, for this head size (None: the largest)."""
   try:
     if _on_gpu():
       from pallas_kernels.dflash_attention import triton  # noqa: F401
-      return "mosaic" if window is not None and _on_hopper() else "triton"
+      big = head_dim is None or head_dim >= MOSAIC_DEFAULT_MIN_HEAD_DIM
+      return "mosaic" if _on_hopper() and big else "triton"
   except (ImportError, NotImplementedError):
     pass
   return "xla"
@@ -118,7 +126,7 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_va
   bool [B, N]; window None for a full-attention layer. Returns [B, N*K, Hq, D] in q's dtype.
   """
   _check(q, k_ctx, v_ctx, k_blk, v_blk, anchors, doc_start, block_valid, block_size, window)
-  impl = implementation or default_implementation(window)
+  impl = implementation or default_implementation(q.shape[-1])
   if implementation is None and impl == "mosaic" and backward not in (None, "mosaic"):
     impl = "triton"                # a Triton backward variant was asked for by name
   if impl not in IMPLEMENTATIONS:

@@ -154,20 +154,21 @@ def bench_mgpu(S: int, N: int, reps: int, *, heads=(HQ, HKV), head_dim: int = HE
 
 
 # Mosaic GPU tile variants (`--mosaic-tiles a,b`): SMEM per kernel at head size 128 from the
-# lowering (forward / dQ): default 85 / 102 KiB (two CTAs per SM), keys128 149 / 166, stages3
-# 117 / 134 (one CTA per SM).
+# lowering (one-warpgroup forward / dQ): wg1 85 / 102 KiB (two CTAs per SM), keys128 149 / 166,
+# stages3 117 / 134 (one CTA per SM). The default's forward is warp-specialised (one CTA per SM).
 def _mosaic_variants():
   from pallas_kernels.dflash_attention.mosaic_gpu import MosaicConfig
+  one = dict(fwd_warpgroups=1)          # the variants measured against the one-warpgroup forward
   return {"default": MosaicConfig(),
-          "keys128": MosaicConfig(fwd_keys=128, dq_keys=128),
-          "stages3": MosaicConfig(fwd_stages=3, dq_stages=3, dkv_stages=3),
-          "dkv3": MosaicConfig(dkv_stages=3),
-          "keys128s3": MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dkv_stages=3),
+          "keys128": MosaicConfig(fwd_keys=128, dq_keys=128, **one),
+          "stages3": MosaicConfig(fwd_stages=3, dq_stages=3, dkv_stages=3, **one),
+          "dkv3": MosaicConfig(dkv_stages=3, **one),
+          "keys128s3": MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dkv_stages=3, **one),
           # warp-specialised forward and dQ (ws with 128 keys: 229 KiB, over an SM's 227)
           "ws": MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2),
           "ws3": MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2, fwd_stages=3),
-          # the warp-specialised forward (the fastest forward) with the one-warpgroup dQ
-          "wsf": MosaicConfig(fwd_warpgroups=2)}
+          # the one-warpgroup forward (the default's forward is warp-specialised)
+          "wg1": MosaicConfig(fwd_warpgroups=1)}
 
 
 def bench_mosaic(xs, idx, *, window, flops_fwd, shape, reps, backward="triton", interpret=False,
@@ -302,9 +303,10 @@ def main(argv=None, torch_rows=None):
                       "backward, and forward + Mosaic GPU backward")
   p.add_argument("--mosaic-tiles", default="default",
                  help="with --mosaic: comma list of Mosaic GPU tile variants for the all-Mosaic "
-                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3, wsf; ws: the "
-                      "warp-specialised forward and dQ, wsf: the warp-specialised forward "
-                      "alone; ws* rows are also timed under the Triton backward)")
+                      "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3, wg1; default: "
+                      "the warp-specialised forward, ws: the warp-specialised forward and dQ, "
+                      "wg1: the one-warpgroup forward; ws* and wg1 rows are also timed under "
+                      "the Triton backward)")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -346,7 +348,7 @@ def main(argv=None, torch_rows=None):
                           interpret=args.interpret))
         for tiles in args.mosaic_tiles.split(","):
           # a forward variant also under the Triton backward (the forward's own time is there)
-          for bwd in (("triton", "mosaic") if tiles.startswith("ws") else ("mosaic",)):
+          for bwd in (("triton", "mosaic") if tiles.startswith(("ws", "wg1")) else ("mosaic",)):
             emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
                               reps=args.reps, backward=bwd, interpret=args.interpret,
                               tiles=tiles))

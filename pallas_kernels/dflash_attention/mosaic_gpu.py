@@ -13,32 +13,29 @@ the Triton backward unchanged. One warpgroup per tile of 64 rows or keys (the M 
     the G heads), query tiles (q, dO, lse, delta, lo, hi) streamed over its query-tile range.
 Every kernel reads q, K, V, dO and writes out, dQ, dK, dV where the caller's arrays are
 ([B, tokens, heads, D]): a query tile arrives as G TMA boxes of [TQ, D], one per query head
-(_tile_boxes), so no transposed copy is made (17 before 3208080: ~1.9 GB of traffic at the
-sliding 8k, ~0.6 ms of its 6 by their bytes; not yet timed on a GPU).
+(_tile_boxes), so no transposed copy is made (the code before 3208080 made 17).
 
 dflash_attention_mosaic puts the forward under a custom VJP whose backward is either these dQ and
 dK/dV kernels (backward="mosaic") or the Triton ones (backward="triton").
 
 Context tiles that every real row of a tile sees entirely skip the mask (as the Triton kernels'
 unmasked loop). The forward and dQ kernels run their own blocks in a scope of their own, so the
-pipeline's K/V stages reuse those buffers: shared memory at head size 128 with the default
-MosaicConfig (from the lowering, tests/pallas_kernels/test_mosaic_gpu.py) is 85 KiB for the
-forward and 102 KiB for dQ, so two tiles' CTAs share an SM and one's softmax overlaps the other's
-wgmma.
+pipeline's K/V stages reuse those buffers: shared memory at head size 128 (from the lowering,
+tests/pallas_kernels/test_mosaic_gpu.py) is 85 KiB for the one-warpgroup forward and 102 KiB for
+dQ, so two tiles' CTAs share an SM and one's softmax overlaps the other's wgmma.
 
-MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2) selects warp-specialised forward and dQ kernels:
-two compute warpgroups on query tiles 2i and 2i + 1 share the context K/V tiles that a third
-(TMA) warpgroup streams over the union of their ranges, and take turns on the tensor cores.
+MosaicConfig(fwd_warpgroups=2) (the default) and dq_warpgroups=2 select warp-specialised forward
+and dQ kernels: two compute warpgroups on query tiles 2i and 2i + 1 share the context K/V tiles
+that a third (TMA) warpgroup streams over the union of their ranges, and take turns on the
+tensor cores.
 
-Status (2026-12-05, one H100, benchmarks/h100-2026-12-05c-mosaic-on-gpu/, the code before
-3208080, which read transposed copies): correct on the GPU (tests and the bench's checks against
-the Triton kernel). 3208080 (no copies) has run only interpreted and lowered, not yet on a GPU
-(`bash scripts/h200_checks.sh mosaic-all`). Sliding 8k fwd+bwd, all Mosaic: 284
-useful TF/s against the Triton kernel's 265 (independent products issued together, `_mms`); the
-warp-specialised forward is the fastest forward (336 against 312 TF/s), its dQ is slower than
-the one-warpgroup dQ. The one-warpgroup forward loses on a long full layer (65k: 254 against 407
-TF/s). api.py selects these kernels only by name until the whole training step has been timed
-with them. On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against
+Status (2026-12-06, one H100, benchmarks/h100-2026-12-06-mosaic-default/): correct on the GPU
+(tests/pallas_kernels' 40 GPU tests, both kernels', and the bench's checks of out and five
+gradients against the Triton kernel). Fwd+bwd useful TF/s at the 27B drafter's heads, default
+tiles against Triton: sliding 8k 320 against 257-261, full 64k 381 against 354-361 (with the
+one-warpgroup forward: 307-311 and 345; the warp-specialised dQ was slower than the
+one-warpgroup dQ on 2026-12-05). api.py's default on Hopper at head sizes 65-128.
+On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against
 reference.py on the mask's edge cases (interpret=True: register operands and transposed views go
 through SMEM buffers there, or plain dots inside a warp-specialised kernel, and layouts are left
 out; the GPU path is otherwise the same code) and lower them for CUDA under both JAX versions we
@@ -802,7 +799,10 @@ class MosaicConfig:
   dq_keys: int = 64
   dq_stages: int = 2
   dkv_stages: int = 2
-  fwd_warpgroups: int = 1     # 2: the warp-specialised forward (two 64-row tiles a CTA)
+  # 2: the warp-specialised forward (two 64-row tiles a CTA, a TMA warpgroup streaming K/V to
+  # both). One H100, 2026-12-06, fwd+bwd useful TF/s with 1 / 2: sliding 8k 307-311 / 320, full
+  # 64k 345 / 381 (Triton 257-261, 354-361): benchmarks/h100-2026-12-06-mosaic-default
+  fwd_warpgroups: int = 2
   dq_warpgroups: int = 1      # 2: the warp-specialised dQ kernel
 
   def __post_init__(self):

@@ -268,7 +268,7 @@ def test_every_group_and_head_size_runs_on_the_kernels(monkeypatch, caplog):
   mixed = (x[0].astype(jnp.bfloat16),) + x[1:]
   with pytest.raises(NotImplementedError, match="dtype"):
     api.dflash_attention(*mixed, *idx, block_size=16, implementation="triton", interpret=True)
-  monkeypatch.setattr(api, "default_implementation", lambda window=None: "triton")
+  monkeypatch.setattr(api, "default_implementation", lambda head_dim=None: "triton")
   api._warned.clear()
   with caplog.at_level("WARNING"):
     out = api.dflash_attention(*mixed, *idx, block_size=16)

@@ -34,8 +34,10 @@ def _args(block_size, head_dim, Hq, Hkv, N=8, S=300, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("head_dim,window,Hq,Hkv", [
     (128, 2048, 32, 8), (64, None, 8, 2), (128, None, 4, 2), (64, 1, 4, 4)])
-def test_forward_lowers_for_cuda(head_dim, window, Hq, Hkv):
-  fwd = lambda *x: mg.dflash_forward_mosaic(*x, block_size=16, window=window)
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_forward_lowers_for_cuda(head_dim, window, Hq, Hkv, warpgroups):
+  tiles = mg.MosaicConfig(fwd_warpgroups=warpgroups)
+  fwd = lambda *x: mg.dflash_forward_mosaic(*x, block_size=16, window=window, tiles=tiles)
   text = jax.jit(fwd).trace(*_args(16, head_dim, Hq, Hkv)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered program"
@@ -75,8 +77,9 @@ def test_warp_specialised_kernels_lower_for_cuda(head_dim, window, Hq, Hkv, N, s
   assert text.count("mosaic_gpu") >= 3, "fewer than three Mosaic GPU kernels"
 
 
-@pytest.mark.parametrize("tiles", [dict(fwd_keys=128, dq_keys=128, dkv_stages=3),
-                                   dict(fwd_stages=4, dq_stages=4, dkv_stages=4)], ids=str)
+@pytest.mark.parametrize("tiles", [dict(fwd_keys=128, dq_keys=128, dkv_stages=3, fwd_warpgroups=1),
+                                   dict(fwd_stages=4, dq_stages=4, dkv_stages=4, fwd_warpgroups=1)],
+                         ids=str)
 def test_tile_variants_lower_for_cuda(tiles):
   def loss(*x):
     out = mg.dflash_attention_mosaic(*x, block_size=16, window=2048, backward="mosaic",
@@ -87,10 +90,11 @@ def test_tile_variants_lower_for_cuda(tiles):
   assert text.count("mosaic_gpu") >= 3
 
 
-def test_default_tiles_fit_two_ctas_per_sm(monkeypatch):
-  """At head size 128 every kernel's shared memory (counted by Mosaic GPU's lowering) leaves room
-  for a second tile's CTA on the SM (228 KB, 1 KB reserved per CTA): a warpgroup waiting on its
-  wgmma or softmax then overlaps with another. 128-key steps or 3 stages do not fit twice."""
+def test_one_warpgroup_tiles_fit_two_ctas_per_sm(monkeypatch):
+  """At head size 128 every one-warpgroup kernel's shared memory (counted by Mosaic GPU's
+  lowering) leaves room for a second tile's CTA on the SM (228 KB, 1 KB reserved per CTA): a
+  warpgroup waiting on its wgmma or softmax then overlaps with another. 128-key steps or 3 stages
+  do not fit twice. (The default's warp-specialised forward runs two tiles in one CTA.)"""
   import jax.experimental.mosaic.gpu.core as mgpu_core
   if not hasattr(mgpu_core, "_SMEM_SIZE_BOUND"):
     pytest.skip("this JAX's Mosaic GPU has no shared-memory bound to set")
@@ -102,9 +106,9 @@ def test_default_tiles_fit_two_ctas_per_sm(monkeypatch):
     return jnp.sum(out.astype(jnp.float32))
   lower = lambda tiles: jax.jit(jax.grad(lambda *x: loss(tiles, *x), argnums=(0, 1, 2, 3, 4))).trace(
       *_args(16, 128, 32, 8, S=1024)).lower(lowering_platforms=("cuda",))
-  lower(mg.MosaicConfig())
+  lower(mg.MosaicConfig(fwd_warpgroups=1))
   with pytest.raises(Exception, match="exceeds available shared memory"):
-    lower(mg.MosaicConfig(fwd_stages=3, dq_stages=3))
+    lower(mg.MosaicConfig(fwd_stages=3, dq_stages=3, fwd_warpgroups=1))
 
 
 @pytest.mark.parametrize("warpgroups", [1, 2])
@@ -240,7 +244,8 @@ def test_interpreted_kernels_with_128_key_steps_and_deeper_pipelines():
   case = INTERPRET_CASES[2]
   (q, kc, vc, kb, vb), idx = make_inputs(case, seed=11)
   kw = dict(block_size=case.block_size, window=case.window)
-  tiles = mg.MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dq_stages=4, dkv_stages=3)
+  tiles = mg.MosaicConfig(fwd_keys=128, fwd_stages=3, dq_keys=128, dq_stages=4, dkv_stages=3,
+                          fwd_warpgroups=1)
   config = dataclasses.replace(mg._INTERPRET, dkv_keys=128)
   ct = jax.random.normal(jax.random.PRNGKey(6), q.shape, jnp.float32)
   fn = lambda *y: mg.dflash_attention_mosaic(*y, *idx, **kw, backward="mosaic", interpret=True,
@@ -275,17 +280,17 @@ def test_api_runs_the_mosaic_implementation_by_name():
       api.dflash_attention(q, kc, vc, kb, vb, *idx, **kw, implementation="mosaic")
 
 
-def test_the_default_is_mosaic_on_hopper_for_sliding_layers_only(monkeypatch):
-  """Unset, the implementation is the Mosaic GPU kernels for a sliding-window layer on an sm_90
-  GPU, the Triton kernel for a full layer there and for every layer on other GPUs, xla on a CPU."""
+def test_the_default_is_mosaic_on_hopper_triton_on_other_gpus(monkeypatch):
+  """Unset, the implementation is the Mosaic GPU kernels on an sm_90 GPU at head sizes above 64
+  (where they were timed), the Triton kernel there at smaller ones and on other GPUs, xla on a
+  CPU."""
   from pallas_kernels.dflash_attention import api
-  for gpu, hopper, full, sliding in ((True, True, "triton", "mosaic"),
-                                     (True, False, "triton", "triton"),
-                                     (False, False, "xla", "xla")):
+  for gpu, hopper, want in ((True, True, ("mosaic", "mosaic", "triton")),
+                            (True, False, ("triton",) * 3), (False, False, ("xla",) * 3)):
     monkeypatch.setattr(api, "_on_gpu", lambda gpu=gpu: gpu)
     monkeypatch.setattr(api, "_on_hopper", lambda hopper=hopper: hopper)
-    assert (api.default_implementation(), api.default_implementation(window=2048)) == (
-        full, sliding), (gpu, hopper)
+    got = tuple(api.default_implementation(*d) for d in ((), (128,), (64,)))
+    assert got == want, (gpu, hopper)
 
 
 def test_the_default_falls_back_to_triton_where_mosaic_does_not_take_the_inputs(monkeypatch,
@@ -298,7 +303,7 @@ def test_the_default_falls_back_to_triton_where_mosaic_does_not_take_the_inputs(
   (q, kc, vc, kb, vb), idx = make_inputs(case, seed=11)
   x = tuple(v.astype(jnp.float32) for v in (q, kc, vc, kb, vb))
   kw = dict(block_size=case.block_size, window=case.window, interpret=True)
-  monkeypatch.setattr(api, "default_implementation", lambda window=None: "mosaic")
+  monkeypatch.setattr(api, "default_implementation", lambda head_dim=None: "mosaic")
   calls = []
   real = dflash_triton.dflash_attention_triton
   monkeypatch.setattr(dflash_triton, "dflash_attention_triton",
@@ -368,12 +373,14 @@ def test_forward_matches_the_reference_and_the_triton_forward(case, warpgroups):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backward", ["triton", "mosaic", "mosaic-ws"])
+@pytest.mark.parametrize("backward", ["triton", "mosaic", "mosaic-ws", "mosaic-wg1"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_forward_and_backward_match_the_reference(case, backward):
-  """mosaic-ws: the warp-specialised forward and dQ kernels."""
-  tiles = mg.MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2) if backward == "mosaic-ws" else None
-  backward = backward.removesuffix("-ws")
+  """mosaic: the default tiles (the warp-specialised forward, the one-warpgroup dQ); mosaic-ws:
+  the warp-specialised forward and dQ kernels; mosaic-wg1: the one-warpgroup forward and dQ."""
+  tiles = {"mosaic-ws": mg.MosaicConfig(fwd_warpgroups=2, dq_warpgroups=2),
+           "mosaic-wg1": mg.MosaicConfig(fwd_warpgroups=1)}.get(backward)
+  backward = backward.split("-")[0]
   (q, kc, vc, kb, vb), idx = make_inputs(case, seed=6)
   kw = dict(block_size=case.block_size, window=case.window)
   ct = jax.random.normal(jax.random.PRNGKey(2), q.shape, q.dtype)
@@ -395,12 +402,12 @@ def test_forward_and_backward_match_the_reference(case, backward):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
 def test_the_default_on_this_gpu():
-  """On an H100/H200 the unset implementation is the Mosaic GPU kernels for sliding layers and the
-  Triton kernel for full ones; on any other GPU, Triton for both."""
+  """On an H100/H200 the unset implementation at head size 128 is the Mosaic GPU kernels; on any
+  other GPU, and at head size 64, Triton."""
   from pallas_kernels.dflash_attention import api
   hopper = str(jax.devices()[0].compute_capability).startswith("9.")
-  assert api.default_implementation() == "triton"
-  assert api.default_implementation(window=2048) == ("mosaic" if hopper else "triton")
+  assert api.default_implementation(128) == ("mosaic" if hopper else "triton")
+  assert api.default_implementation(64) == "triton"
 
 
 @pytest.mark.gpu
