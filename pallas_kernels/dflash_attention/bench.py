@@ -305,8 +305,8 @@ def main(argv=None, torch_rows=None):
                  help="with --mosaic: comma list of Mosaic GPU tile variants for the all-Mosaic "
                       "rows (default, keys128, stages3, dkv3, keys128s3, ws, ws3, wg1; default: "
                       "the warp-specialised forward, ws: the warp-specialised forward and dQ, "
-                      "wg1: the one-warpgroup forward; ws* and wg1 rows are also timed under "
-                      "the Triton backward)")
+                      "wg1: the one-warpgroup forward); each variant's forward is also timed "
+                      "under the Triton backward (mosaic-fwd rows)")
   p.add_argument("--parts", action="store_true",
                  help="also time each Pallas kernel alone (fwd, dq, dkv) on every problem")
   p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -344,11 +344,9 @@ def main(argv=None, torch_rows=None):
                        interpret=args.interpret, **common))
       emit(bench_jax("triton", "pallas", xs, idx, cfg=cfg, interpret=args.interpret, **common))
       if args.mosaic:
-        emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape, reps=args.reps,
-                          interpret=args.interpret))
         for tiles in args.mosaic_tiles.split(","):
-          # a forward variant also under the Triton backward (the forward's own time is there)
-          for bwd in (("triton", "mosaic") if tiles.startswith(("ws", "wg1")) else ("mosaic",)):
+          # each variant's forward also under the Triton backward (the forward's time is there)
+          for bwd in ("triton", "mosaic"):
             emit(bench_mosaic(xs, idx, window=window, flops_fwd=flops, shape=shape,
                               reps=args.reps, backward=bwd, interpret=args.interpret,
                               tiles=tiles))

@@ -16,11 +16,15 @@ def test_bench_times_the_kernel_and_each_of_its_parts(capsys):
 
 def test_bench_checks_then_times_the_mosaic_kernels(capsys):
   """--mosaic: both Mosaic GPU rows (its forward under the Triton backward, and all-Mosaic) are
-  compared with the Triton kernel's output and gradients, then timed (interpreted here)."""
+  compared with the Triton kernel's output and gradients, then timed (interpreted here). The
+  one-warpgroup forward: on this 2-core CPU the warp-specialised forward (the default tiles) and
+  the interpreted Triton backward in one jitted program deadlock JAX's two interpreters (their
+  threads wait on barriers for ever); the GPU runs that pair (the mosaic-fwd rows of
+  benchmarks/h100-2026-12-06-mosaic-default), and tests interpret it outside jit."""
   bench.main(["--shapes", "64x4", "--layers", "sliding", "--interpret", "--mosaic", "--reps", "1",
-              "--heads", "4/1", "--head-dim", "64"])
+              "--heads", "4/1", "--head-dim", "64", "--mosaic-tiles", "wg1"])
   out = capsys.readouterr().out
-  for name in ("mosaic-fwd", "mosaic"):
+  for name in ("mosaic-fwd:wg1", "mosaic:wg1"):
     row = re.search(rf"^{name}\s+w2048\s+64x4\s+[\d.]+\s+\d+\s+[\d.]+.*max \|x - triton x\|:(.*)$",
                     out, re.M)
     assert row, out
