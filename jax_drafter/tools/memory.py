@@ -56,7 +56,9 @@ class Buffer:
 # The dense-mask attention (implementation "xla" or "reference") is this file's jnp; the Pallas
 # kernel shows up as custom calls named after its pallas_calls instead.
 DENSE_ATTENTION = "pallas_kernels/dflash_attention/reference.py"
-_KERNEL_CALLS = re.compile(r"\bdflash_(?:fwd|bwd_dq|bwd_dkv)\b")
+# The kernels' names: a Triton call's `name = "dflash_fwd"`; a Mosaic GPU kernel's name sits in
+# its serialized module, between escaped NUL bytes ("\00dflash_fwd\00"), so no \b before it.
+_KERNEL_CALLS = re.compile(r"(?<![A-Za-z_])dflash_(?:fwd|bwd_dq|bwd_dkv)(?![A-Za-z0-9])")
 # Checked with JAX 0.10.2 on a CPU machine (test_gpu_plan_cannot_be_compiled_on_a_cpu_machine):
 # `jit(...).trace(...).lower(lowering_platforms=("cuda",))` works, but `.compile()` compiles
 # for the local backend: a CPU plan for the dense path, and for the kernel "No FFI handler
@@ -284,8 +286,9 @@ def _attention_lines(r: Report) -> list[str]:
                  "Pallas kernel does not take these shapes (query heads per KV head and head_dim "
                  "powers of two, head_dim >= 16).")
   else:
-    lines += ["  On a GPU the default is the Pallas kernel (implementation=triton), which holds "
-              "none of these buffers: for the GPU's plan, run this command on the GPU machine.",
+    lines += ["  On a GPU the default is a Pallas kernel (implementation=mosaic on H100/H200 at "
+              "head sizes 65-128, else triton), which holds none of these buffers: for the "
+              "GPU's plan, run this command on the GPU machine.",
               "  " + NO_GPU_PLAN_HERE]
   return lines
 

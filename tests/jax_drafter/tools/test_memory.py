@@ -85,7 +85,9 @@ def test_report_names_the_attention_and_on_cpu_the_dense_scores(tiny):
   text = memory.format_report(rep)
   a = rep.attention
   if jax.default_backend() == "gpu":   # the Pallas kernel: no dense path, nothing to account for
-    assert a.kernel and not a.dense and "implementation=triton" in text, text
+    from pallas_kernels.dflash_attention import api
+    want = api.default_implementation(plan.cfg.head_dim)      # mosaic on Hopper, else triton
+    assert a.kernel and not a.dense and f"implementation={want}" in text, text
     return
   assert "implementation=xla (the default on cpu)" in text and "dense-mask path" in text, text
   assert a.dense and not a.kernel
