@@ -7,8 +7,7 @@
 #   bash scripts/h200_checks.sh kernel-tests kernel-smollm2   # the tests, the SmolLM2-shaped bench
 #   bash scripts/h200_checks.sh mosaic          # the Mosaic GPU kernels: the kernel bench against
 #                                               # Triton (sliding 8k, full 64k), then GPU tests
-#   bash scripts/h200_checks.sh mosaic-step     # the 27b-8k JAX step, default vs --attention mosaic
-#   bash scripts/h200_checks.sh mosaic-all      # 8k bench, the step pair, GPU tests (~8 min)
+#   bash scripts/h200_checks.sh mosaic-all      # 8k bench, default-step, GPU tests (~8 min)
 #   bash scripts/h200_checks.sh default-step    # the 27b-8k step, the default vs Triton throughout
 #   bash scripts/h200_checks.sh kernel-table    # the kernels against cuDNN and flex (sliding 8k)
 #   bash scripts/h200_checks.sh parity          # Qwen3.6-27B shapes, bf16, Pallas vs compiled flex
@@ -34,7 +33,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LIMIT=${LIMIT:-570}    # seconds for a whole part
-[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic mosaic-step mosaic-all default-step kernel-table parity memory bench bench-all" \
+[ $# -ge 1 ] || { echo "which parts: kernel kernel-tests kernel-bench kernel-smollm2 mosaic mosaic-all default-step kernel-table parity memory bench bench-all" \
                       "bench-8k bench-remat bench-8b bench-32k bench-64k cublas"; exit 2; }
 
 part_cmds() {
@@ -61,25 +60,21 @@ part_cmds() {
       run timeout 240 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf \
           -p no:cacheprovider ;;
     mosaic-all)     # one call: the sliding 8k bench, the 27b-8k step pair, then the GPU tests
-                    # with what time is left
-      run timeout 110 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
+                    # with what time is left (2026-12-06: 110 s ended the bench before its last
+                    # row; two variants' four rows take ~120 s)
+      run timeout 180 python3 -m pallas_kernels.dflash_attention.bench --mosaic --no-baselines \
           --shapes 8192x1024 --mosaic-tiles default,wg1
-      part_cmds mosaic-step
+      part_cmds default-step
       run timeout 150 python3 -m pytest tests/pallas_kernels/test_mosaic_gpu.py -m gpu -q -rf -x \
           -p no:cacheprovider ;;
-    mosaic-step)    # the 27B drafter's whole step with the Mosaic GPU kernels beside the default
-      run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
-          --json "$OUT/bench-step-default.json"
-      run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
-          --attention mosaic --json "$OUT/bench-step-mosaic.json" ;;
-    default-step)   # the 27B drafter's whole step: the default (Mosaic GPU on the sliding layers
-                    # of a Hopper GPU, Triton on full ones) against Triton on every layer
+    default-step)   # the 27B drafter's whole step: the default (the Mosaic GPU kernels on a
+                    # Hopper GPU at its head size 128) against the Triton kernels
       run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
           --json "$OUT/bench-step-default.json"
       run timeout 150 python3 -m jax_drafter.tools.bench --case 27b-8k --side jax --timeout 130 \
           --attention triton --json "$OUT/bench-step-triton.json" ;;
     kernel-table)   # #15's kernel table at sliding 8k: Triton, the Mosaic GPU kernels (the default
-                    # there on Hopper), cuDNN's dense causal ceiling, compiled flex, the XLA path
+                    # on Hopper), cuDNN's dense causal ceiling, compiled flex, the XLA path
       run timeout 250 python3 -m bridge.twin.bench_attention --mosaic --shapes 8192x1024 \
           --layers sliding --budget-s 200 ;;
     kernel-smollm2) # the SmolLM2 recipe's attention (9/3 heads, head size 64, a 2048-token row
