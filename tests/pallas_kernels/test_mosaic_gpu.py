@@ -77,9 +77,9 @@ def test_warp_specialised_kernels_lower_for_cuda(head_dim, window, Hq, Hkv, N, s
   assert text.count("mosaic_gpu") >= 3, "fewer than three Mosaic GPU kernels"
 
 
-@pytest.mark.parametrize("tiles", [dict(fwd_keys=128, dq_keys=128, dkv_stages=3, fwd_warpgroups=1),
-                                   dict(fwd_stages=4, dq_stages=4, dkv_stages=4, fwd_warpgroups=1)],
-                         ids=str)
+@pytest.mark.parametrize("tiles", [
+    dict(fwd_keys=128, dq_keys=128, dkv_stages=3, fwd_warpgroups=1),
+    dict(fwd_stages=4, dq_stages=4, dkv_stages=4, fwd_warpgroups=1)], ids=str)
 def test_tile_variants_lower_for_cuda(tiles):
   def loss(*x):
     out = mg.dflash_attention_mosaic(*x, block_size=16, window=2048, backward="mosaic",
