@@ -176,44 +176,31 @@ def row_argmax_max(x_CxV, block: int | None = 128):
   return pred.astype(jnp.int32), jnp.max(block_max, axis=-1)
 
 
-def row_softmax_stats(x_CxV, block: int = 128):
-  """(argmax int32 [C], max [C], sum(exp(x - max)) [C]) of each row in one pass over x: variadic
-  reductions whose combiner rescales partial sums to the larger maximum (the online softmax),
-  first within blocks of `block` columns, then over the blocks, so that no partial sum adds up
-  more than ~max(block, V / block) terms in a row, whatever order the backend reduces in (one
-  level over 248,320 columns read 2.6e-4 low in log-sum-exp on XLA:CPU). The argmax is
-  jnp.argmax's (the first index of the maximum); a row of -inf gives index 0 and max -inf, so
-  max + log(sum) is -inf (not NaN, as the two-pass form would give). On a GPU this reads the
-  [C, V] f32 logits once where the max and then the sum of exponentials read them twice."""
+# exp(x - shift) stays finite in f32 for x - shift < 88; with 64 the sum of 2^18 such terms is
+# still below 1e34. A shift further below the row max than this gets the exact two-pass sum.
+SHIFT_GAP_MAX = 64.0
+
+
+def shifted_log_sum_exp(x_CxV, top_C, samples: int = 128):
+  """log(sum(exp(x))) of each row from a shift that needs no pass of its own: the max of `samples`
+  columns spread over the row (a lower bound of the row max, read from a strided slice), so that
+  sum(exp(x - shift)) reduces the same [C, V] input as the argmax and XLA can make both in one
+  sibling fusion instead of a max pass then a sum pass. Exact in real arithmetic for any shift;
+  where some row's max (top_C, from the argmax) lies more than SHIFT_GAP_MAX above its shift the
+  chunk takes the usual sum(exp(x - max)) instead, so nothing overflows."""
   C, V = x_CxV.shape
-  pad = (-V) % block
-  if pad:
-    x_CxV = jnp.pad(x_CxV, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-  big = jnp.iinfo(jnp.int32).max
-
-  def combine(a, b):
-    (m1, i1, s1), (m2, i2, s2) = a, b
-    m = jnp.maximum(m1, m2)
-    first = (m1 > m2) | ((m1 == m2) & (i1 < i2))
-    # exp(m_k - m) is 1 where m_k is the maximum, also when both are -inf (exp(nan) otherwise).
-    scale = lambda mk: jnp.where(mk == m, 1.0, jnp.exp(mk - m))
-    return m, jnp.where(first, i1, i2), s1 * scale(m1) + s2 * scale(m2)
-
-  init = (jnp.array(-jnp.inf, x_CxV.dtype), jnp.array(big, jnp.int32), jnp.array(0.0, x_CxV.dtype))
-  blocks = x_CxV.reshape(C, -1, block)
-  idx = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, 1) * block + \
-      jax.lax.broadcasted_iota(jnp.int32, blocks.shape, 2)
-  per_block = jax.lax.reduce((blocks, idx, jnp.ones_like(blocks)), init, combine, (2,))
-  top, pred, sum_e = jax.lax.reduce(per_block, init, combine, (1,))
-  pred = jnp.where(pred == big, 0, pred)   # every entry -inf (or NaN)
-  return pred, top, sum_e
+  shift = jnp.max(x_CxV[:, ::max(1, V // samples)], axis=-1)
+  shifted = shift + jnp.log(jnp.sum(jnp.exp(x_CxV - shift[:, None]), axis=-1))
+  exact = lambda: top_C + jnp.log(jnp.sum(jnp.exp(x_CxV - top_C[:, None]), axis=-1))
+  return jax.lax.cond(jnp.all(top_C - shift < SHIFT_GAP_MAX), lambda: shifted, exact)
 
 
 def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool,
-               reuse_exp: bool | None = None, online_stats: bool | None = None):
+               reuse_exp: bool | None = None, shifted_lse: bool | None = None):
   """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE.
-  reuse_exp: how the gradient's softmax is made (below); online_stats: the argmax, max and sum of
-  exponentials in one pass (row_softmax_stats) instead of two; None = by the default backend."""
+  reuse_exp: how the gradient's softmax is made (below); shifted_lse: the log-sum-exp from
+  shifted_log_sum_exp (its sum can share the argmax's pass) instead of from the max; None = by the
+  default backend."""
   w = w_VxD.astype(compute_dtype)
   # Contract D of both operands directly: XLA:CPU materialises `w.T` for `x @ w.T` (a [D, V] copy
   # per step, 3x the matmul's own time for SmolLM2's head); GPUs fold it either way.
@@ -229,13 +216,12 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
   # The argmax in two passes on a CPU (row_argmax_max); GPUs keep XLA's one-pass argmax (the
   # two-pass form is not measured there).
   argmax_block = 128 if on_cpu else None
-  # On a GPU the argmax, the max and the sum of exponentials come from one pass over the logits
-  # (row_softmax_stats). XLA:CPU runs variadic reductions slowly (its argmax: 34 ms where the
-  # blocked passes take 6), and the CPU keeps the exp for the gradient anyway (reuse_exp).
-  if online_stats is None:
-    online_stats = not on_cpu and not reuse_exp
-  if online_stats and reuse_exp:
-    raise ValueError("online_stats makes no exp to reuse: pass reuse_exp=False with it")
+  # On a GPU the sum of exponentials is shifted by a sampled lower bound of the max instead of
+  # the max itself (shifted_log_sum_exp), so that it need not wait for the argmax's pass.
+  if shifted_lse is None:
+    shifted_lse = not on_cpu and not reuse_exp
+  if shifted_lse and reuse_exp:
+    raise ValueError("shifted_lse makes no exp to reuse: pass reuse_exp=False with it")
 
   def chunk(args):
     h_CxD, y_C, t_CxD = args
@@ -243,13 +229,13 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
     # The row max comes with the argmax instead of a max reduction of its own: one pass less over
     # the [C, V] logits, which is most of the CE's time on a CPU (XLA:CPU runs a [384, 49152]
     # log-sum-exp in ~50 ms, the bf16 matmul that makes it in ~35 ms).
-    if online_stats:
-      pred, top_C, sum_e = row_softmax_stats(logits_CxV)
+    pred, top_C = row_argmax_max(logits_CxV, argmax_block)
+    if shifted_lse:
+      lse = shifted_log_sum_exp(logits_CxV, top_C)
     else:
-      pred, top_C = row_argmax_max(logits_CxV, argmax_block)
       e_CxV = jnp.exp(logits_CxV - top_C[:, None])
       sum_e = jnp.sum(e_CxV, axis=-1)
-    lse = top_C + jnp.log(sum_e)
+      lse = top_C + jnp.log(sum_e)
     gold = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
     ce = lse - gold
     obj, kl = ce, None
