@@ -79,8 +79,9 @@ part_cmds() {
           --layers sliding --budget-s 200 ;;
     kernel-smollm2) # the SmolLM2 recipe's attention (9/3 heads, head size 64, a 2048-token row
                     # with 512 anchors): the kernel against the dense XLA path it used to take,
-                    # and the Mosaic GPU kernels, which api.py's default leaves out below head
-                    # size 65 until this part has timed them (MOSAIC_DEFAULT_MIN_HEAD_DIM)
+                    # and the Mosaic GPU kernels (default and one-warpgroup tiles), which api.py's
+                    # default takes from head size 64 on (MOSAIC_DEFAULT_MIN_HEAD_DIM), as this
+                    # part timed on 2026-12-06
       run timeout 250 python3 -m pallas_kernels.dflash_attention.bench --heads 9/3 --head-dim 64 \
           --shapes 2048x512,8192x2048 --layers full --budget-s 150 --mosaic \
           --mosaic-tiles default,wg1 ;;

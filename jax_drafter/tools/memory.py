@@ -287,7 +287,7 @@ def _attention_lines(r: Report) -> list[str]:
                  "powers of two, head_dim >= 16).")
   else:
     lines += ["  On a GPU the default is a Pallas kernel (implementation=mosaic on H100/H200 at "
-              "head sizes 65-128, else triton), which holds none of these buffers: for the "
+              "head sizes 64-128, else triton), which holds none of these buffers: for the "
               "GPU's plan, run this command on the GPU machine.",
               "  " + NO_GPU_PLAN_HERE]
   return lines

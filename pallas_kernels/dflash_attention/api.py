@@ -2,10 +2,10 @@
 
 implementation:
   None         best available: on a Hopper GPU (H100/H200, sm_90) the Mosaic GPU kernels for
-               head sizes 65-128, where they take the inputs (bf16/f16, ...), else the
+               head sizes 64-128, where they take the inputs (bf16/f16, ...), else the
                Pallas-Triton kernel; on any other CUDA GPU the Pallas-Triton kernel; on a CPU
-               "xla". Head sizes up to 64 (SmolLM2's drafter) keep Triton on Hopper too: the
-               Mosaic GPU kernels are measured faster at head size 128 only.
+               "xla". Head sizes below 64 keep Triton on Hopper too: the Mosaic GPU kernels are
+               measured faster at head sizes 128 (the 27B drafter) and 64 (SmolLM2's) only.
   "reference"  reference.py in f32 at HIGHEST precision (the oracle; slow, memory O(Q*S)).
   "xla"        the same dense-mask math, matmuls in the input dtype, f32 softmax statistics.
   "triton"     the Pallas-Triton kernel (triton.py); with interpret=True it runs on CPU.
@@ -93,8 +93,10 @@ def _on_hopper() -> bool:
 
 
 # The smallest head size for which the default takes the Mosaic GPU kernels on Hopper: they were
-# timed against Triton at head size 128 (benchmarks/h100-2026-12-06-mosaic-default), not below.
-MOSAIC_DEFAULT_MIN_HEAD_DIM = 65
+# timed against Triton at head sizes 128 (benchmarks/h100-2026-12-06-mosaic-default) and 64
+# (SmolLM2's 9/3 heads, fwd+bwd 0.95 against 1.48 ms at 2048x512, 4.29 against 5.72 ms at
+# 8192x2048: benchmarks/h100-2026-12-06b-step-profile), not below.
+MOSAIC_DEFAULT_MIN_HEAD_DIM = 64
 
 
 def default_implementation(head_dim: int | None = None) -> str:

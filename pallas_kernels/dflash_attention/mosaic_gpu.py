@@ -34,7 +34,9 @@ Status (2026-12-06, one H100, benchmarks/h100-2026-12-06-mosaic-default/): corre
 gradients against the Triton kernel). Fwd+bwd useful TF/s at the 27B drafter's heads, default
 tiles against Triton: sliding 8k 320 against 257-261, full 64k 381 against 354-361 (with the
 one-warpgroup forward: 307-311 and 345; the warp-specialised dQ was slower than the
-one-warpgroup dQ on 2026-12-05). api.py's default on Hopper at head sizes 65-128.
+one-warpgroup dQ on 2026-12-05); at SmolLM2's heads (9/3, head size 64), full 2048x512 73
+against 47 and 8192x2048 255 against 192 (benchmarks/h100-2026-12-06b-step-profile). api.py's
+default on Hopper at head sizes 64-128.
 On a CPU the tests run every kernel under JAX's Mosaic GPU interpreter against
 reference.py on the mask's edge cases (interpret=True: register operands and transposed views go
 through SMEM buffers there, or plain dots inside a warp-specialised kernel, and layouts are left
