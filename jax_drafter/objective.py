@@ -176,31 +176,10 @@ def row_argmax_max(x_CxV, block: int | None = 128):
   return pred.astype(jnp.int32), jnp.max(block_max, axis=-1)
 
 
-# exp(x - shift) stays finite in f32 for x - shift < 88; with 64 the sum of 2^18 such terms is
-# still below 1e34. A shift further below the row max than this gets the exact two-pass sum.
-SHIFT_GAP_MAX = 64.0
-
-
-def shifted_log_sum_exp(x_CxV, top_C, samples: int = 128):
-  """log(sum(exp(x))) of each row from a shift that needs no pass of its own: the max of `samples`
-  columns spread over the row (a lower bound of the row max, read from a strided slice), so that
-  sum(exp(x - shift)) reduces the same [C, V] input as the argmax and XLA can make both in one
-  sibling fusion instead of a max pass then a sum pass. Exact in real arithmetic for any shift;
-  where some row's max (top_C, from the argmax) lies more than SHIFT_GAP_MAX above its shift the
-  chunk takes the usual sum(exp(x - max)) instead, so nothing overflows."""
-  C, V = x_CxV.shape
-  shift = jnp.max(x_CxV[:, ::max(1, V // samples)], axis=-1)
-  shifted = shift + jnp.log(jnp.sum(jnp.exp(x_CxV - shift[:, None]), axis=-1))
-  exact = lambda: top_C + jnp.log(jnp.sum(jnp.exp(x_CxV - top_C[:, None]), axis=-1))
-  return jax.lax.cond(jnp.all(top_C - shift < SHIFT_GAP_MAX), lambda: shifted, exact)
-
-
 def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool,
-               reuse_exp: bool | None = None, shifted_lse: bool | None = None):
+               reuse_exp: bool | None = None):
   """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE.
-  reuse_exp: how the gradient's softmax is made (below); shifted_lse: the log-sum-exp from
-  shifted_log_sum_exp (its sum can share the argmax's pass) instead of from the max; None = by the
-  default backend."""
+  reuse_exp: how the gradient's softmax is made (below); None = by the default backend."""
   w = w_VxD.astype(compute_dtype)
   # Contract D of both operands directly: XLA:CPU materialises `w.T` for `x @ w.T` (a [D, V] copy
   # per step, 3x the matmul's own time for SmolLM2's head); GPUs fold it either way.
@@ -216,12 +195,6 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
   # The argmax in two passes on a CPU (row_argmax_max); GPUs keep XLA's one-pass argmax (the
   # two-pass form is not measured there).
   argmax_block = 128 if on_cpu else None
-  # On a GPU the sum of exponentials is shifted by a sampled lower bound of the max instead of
-  # the max itself (shifted_log_sum_exp), so that it need not wait for the argmax's pass.
-  if shifted_lse is None:
-    shifted_lse = not on_cpu and not reuse_exp
-  if shifted_lse and reuse_exp:
-    raise ValueError("shifted_lse makes no exp to reuse: pass reuse_exp=False with it")
 
   def chunk(args):
     h_CxD, y_C, t_CxD = args
@@ -230,12 +203,10 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
     # the [C, V] logits, which is most of the CE's time on a CPU (XLA:CPU runs a [384, 49152]
     # log-sum-exp in ~50 ms, the bf16 matmul that makes it in ~35 ms).
     pred, top_C = row_argmax_max(logits_CxV, argmax_block)
-    if shifted_lse:
-      lse = shifted_log_sum_exp(logits_CxV, top_C)
-    else:
-      e_CxV = jnp.exp(logits_CxV - top_C[:, None])
-      sum_e = jnp.sum(e_CxV, axis=-1)
-      lse = top_C + jnp.log(sum_e)
+    top = top_C[:, None]
+    e_CxV = jnp.exp(logits_CxV - top)
+    sum_e = jnp.sum(e_CxV, axis=-1)
+    lse = top[:, 0] + jnp.log(sum_e)
     gold = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
     ce = lse - gold
     obj, kl = ce, None
