@@ -20,3 +20,19 @@ def median_seconds(call, *, sync=None, warmup: int = 2, reps: int = 7) -> float:
     sync(call())
     ts.append(time.perf_counter() - t0)
   return statistics.median(ts)
+
+
+def timed_steps(step, state, *args, steps: int, warmup: int = 1):
+  """A training step that threads its state (`state, out = step(state, *args)`, state donated):
+  `warmup` untimed calls, then `steps` timed ones, each waited for. -> (state, [seconds])."""
+  import jax
+  for _ in range(warmup):
+    state, out = step(state, *args)
+    jax.block_until_ready(out)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, out = step(state, *args)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t0)
+  return state, times

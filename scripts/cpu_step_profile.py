@@ -14,7 +14,6 @@ import glob
 import gzip
 import json
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax_drafter import step as step_lib
 from jax_drafter.config import load_config, resolve_drafter
 from jax_drafter.draft_vocab import with_draft_vocab
 from jax_drafter.trainer import _attn_impl
+from pallas_kernels.timing import timed_steps
 
 SMOLLM2 = info_from_config(smollm2_config(), vocab_size=49152, tokenizer_size=49152,
                            name="smollm2-shaped")
@@ -57,14 +57,7 @@ def main():
   frozen = step_lib.frozen_in_compute_dtype({"embed": head, "lm_head": head}, t.compute_dtype)
   if d.draft_vocab_size:   # drafter.draft_vocab_size=N: the first N ids (a run ranks them by count)
     frozen = with_draft_vocab(frozen, np.arange(d.draft_vocab_size, dtype=np.int32))
-  state, m = fn(state, batch, frozen)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(a.steps):
-    t0 = time.perf_counter()
-    state, m = fn(state, batch, frozen)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
+  state, times = timed_steps(fn, state, batch, frozen, steps=a.steps)
   print(f"{a.config} {' '.join(a.overrides)}: {B} x {S} tokens, {t.num_anchors} anchors a row, block {d.block_size}, "
         f"{d.num_hidden_layers} layer(s), compute {t.compute_dtype}: "
         f"step {1e3 * np.median(times):.1f} ms (median of {a.steps})")

@@ -31,6 +31,7 @@ import jax  # noqa: E402
 from jax_drafter import presets  # noqa: E402
 from jax_drafter import step as step_lib  # noqa: E402
 from jax_drafter.tools import bench, bench_workers, plans  # noqa: E402
+from pallas_kernels.timing import timed_steps  # noqa: E402
 
 CLASSES = (   # first match wins; kernel names as CUDA / XLA give them
     ("attention (Pallas)", re.compile(r"dflash|mosaic|pallas", re.I)),
@@ -85,14 +86,7 @@ def main():
   if a.hlo_out:
     with gzip.open(a.hlo_out, "wt") as f:
       f.write(fn.as_text())
-  state, m = fn(state, batch, frozen)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(a.steps):
-    t0 = time.perf_counter()
-    state, m = fn(state, batch, frozen)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
+  state, times = timed_steps(fn, state, batch, frozen, steps=a.steps)
   step = statistics.median(times)
   flops = bench.model_flops(plan.cfg, plan.seq_len, t.num_anchors, plan.batch_size)["total"]
   print(f"{a.case} ({plan.describe()}), XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: "
