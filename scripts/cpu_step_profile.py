@@ -57,7 +57,9 @@ def main():
   frozen = step_lib.frozen_in_compute_dtype({"embed": head, "lm_head": head}, t.compute_dtype)
   if d.draft_vocab_size:   # drafter.draft_vocab_size=N: the first N ids (a run ranks them by count)
     frozen = with_draft_vocab(frozen, np.arange(d.draft_vocab_size, dtype=np.int32))
-  state, times = timed_steps(fn, state, batch, frozen, steps=a.steps)
+  # Two untimed calls: the first compiles, and on XLA:CPU the second is still seconds slower
+  # (no retrace: JAX_EXPLAIN_CACHE_MISSES shows one).
+  state, times = timed_steps(fn, state, batch, frozen, steps=a.steps, warmup=2)
   print(f"{a.config} {' '.join(a.overrides)}: {B} x {S} tokens, {t.num_anchors} anchors a row, block {d.block_size}, "
         f"{d.num_hidden_layers} layer(s), compute {t.compute_dtype}: "
         f"step {1e3 * np.median(times):.1f} ms (median of {a.steps})")
