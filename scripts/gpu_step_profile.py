@@ -73,8 +73,9 @@ def main():
   ap.add_argument("--hlo-out", default=None)
   a = ap.parse_args()
 
-  args = types.SimpleNamespace(case=[a.case], ce_chunk=presets.RUNS[a.case].ce_chunk or bench.CE_CHUNK,
-                               remat="none", attention=a.attention)
+  ce_chunk = presets.RUNS[a.case].ce_chunk or bench.CE_CHUNK
+  args = types.SimpleNamespace(case=[a.case], ce_chunk=ce_chunk, remat="none",
+                               attention=a.attention)
   plan = bench_workers.plan_of(args, on_cpu=jax.default_backend() == "cpu")
   t = plan.train
   graphdef, state, batch, frozen = plans.random_inputs(plan)
