@@ -3,7 +3,8 @@
 The JAX row of `python -m jax_drafter.tools.bench` (same plan, inputs and jitted step), timed as
 the bench times it, then a JAX profiler trace of --trace-steps steps (perfetto JSON, no
 TensorBoard needed). Device kernels are summed by name into classes (GEMMs, the attention kernels,
-fusions, copies, collectives) and listed largest first; the busy time of the device against the
+fusions, copies, collectives) and listed largest first, each with the op_name of the HLO
+instruction it runs (which part of the step it is); the busy time of the device against the
 step's wall time says how much is launch gaps. The optimized HLO goes to --hlo-out (gz), so a
 fusion's name can be looked up.
 
@@ -62,6 +63,17 @@ def device_events(trace: dict):
   return out, ({names[p] for p in gpu} or {f"(none of: {', '.join(sorted(names.values()))})"})
 
 
+def hlo_ops(hlo_text: str) -> dict[str, str]:
+  """{kernel name as the trace gives it: the op_name of the HLO instruction it runs} from the
+  compiled module's text. The trace names a fusion `loop_add_fusion_14` where the HLO says
+  `%loop_add_fusion.14`; op_name tells where it comes from (`.../while/body/...`: the CE's chunk
+  loop, `.../jit(_where)/select_n`: the optimizer, `transpose(jvp(...))`: a backward)."""
+  ops = {}
+  for m in re.finditer(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo_text, re.M):
+    ops[m.group(1).replace(".", "_")] = m.group(2)
+  return ops
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--case", default="27b-8k", choices=sorted(presets.RUNS))
@@ -84,9 +96,11 @@ def main():
   t0 = time.perf_counter()
   fn = fn.lower(state, batch, frozen).compile()   # one compile, its HLO and its calls
   first = time.perf_counter() - t0
+  hlo_text = fn.as_text()
   if a.hlo_out:
     with gzip.open(a.hlo_out, "wt") as f:
-      f.write(fn.as_text())
+      f.write(hlo_text)
+  ops = hlo_ops(hlo_text)
   state, times = timed_steps(fn, state, batch, frozen, steps=a.steps)
   step = statistics.median(times)
   flops = bench.model_flops(plan.cfg, plan.seq_len, t.num_anchors, plan.batch_size)["total"]
@@ -126,17 +140,20 @@ def main():
   print("ms a step   share   class")
   for label, us in by_class.most_common():
     print(f"{us / n / 1e3:9.2f}   {100 * us / n / busy:5.1f}%  {label}")
-  print(f"ms a step   calls   class                kernel (top {a.top})")
+  print(f"ms a step   calls   class                kernel (top {a.top}), the HLO op it runs")
   for name, us in by_name.most_common(a.top):
-    print(f"{us / n / 1e3:9.2f}   {count[name] // n:5d}   {kernel_class(name):20s} {name[:110]}")
+    op = ops.get(name, "").removeprefix("jit(train_step)/")
+    print(f"{us / n / 1e3:9.2f}   {count[name] // n:5d}   {kernel_class(name):20s} {name[:60]}"
+          + (f"  [{op[:70]}]" if op else ""))
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"case": a.case, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                  "step_ms": step * 1e3, "steps_ms": [x * 1e3 for x in times],
                  "busy_ms": busy / 1e3, "span_ms": span / 1e3,
                  "classes_ms": {k: v / n / 1e3 for k, v in by_class.items()},
-                 "kernels": [{"name": k, "ms": v / n / 1e3, "calls": count[k] // n}
-                             for k, v in by_name.most_common()]}, f, indent=1)
+                 "kernels": [{"name": k, "ms": v / n / 1e3, "calls": count[k] // n,
+                              "op": ops.get(k, "")} for k, v in by_name.most_common()]},
+                f, indent=1)
 
 
 if __name__ == "__main__":
