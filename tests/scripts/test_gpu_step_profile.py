@@ -42,8 +42,11 @@ def test_kernel_classes_of_the_step_s_kernels():
 def test_hlo_ops_map_trace_names_to_their_op_names():
   """Lines as the compiled 27b-8k step's HLO has them: the trace's `_14` is the HLO's `.14`."""
   text = """HloModule jit_train_step
-  %loop_add_fusion.14 = bf16[1,16384,17408]{2,1,0} fusion(%a, %b), kind=kLoop, calls=%fused_add.14, metadata={op_name="jit(train_step)/transpose(jvp(jit(silu)))/add_any" scheduling_name="x"}
-  ROOT %loop_convert_fusion = bf16[1920,248320]{1,0} fusion(%c), kind=kLoop, metadata={op_name="jit(train_step)/jvp()/while/body/eval_jaxpr/convert_element_type"}
+  %loop_add_fusion.14 = bf16[1,16384,17408]{2,1,0} fusion(%a, %b), kind=kLoop, \
+calls=%fused_add.14, metadata={op_name="jit(train_step)/transpose(jvp(jit(silu)))/add_any" \
+scheduling_name="x"}
+  ROOT %loop_convert_fusion = bf16[1920,248320]{1,0} fusion(%c), kind=kLoop, \
+metadata={op_name="jit(train_step)/jvp()/while/body/eval_jaxpr/convert_element_type"}
   %param_0.1 = f32[8]{0} parameter(0)
 """
   assert prof.hlo_ops(text) == {
