@@ -36,3 +36,26 @@ def timed_steps(step, state, *args, steps: int, warmup: int = 1):
     jax.block_until_ready(out)
     times.append(time.perf_counter() - t0)
   return state, times
+
+
+def traced_steps(step, state, *args, steps: int):
+  """`steps` calls of a state-threading step under the JAX profiler, waited for once at the end.
+  -> (state, the trace as a perfetto JSON dict (no TensorBoard needed), wall seconds a step)."""
+  import glob
+  import gzip
+  import json
+  import tempfile
+
+  import jax
+  with tempfile.TemporaryDirectory() as tmp:
+    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      state, out = step(state, *args)
+    jax.block_until_ready(out)
+    wall = (time.perf_counter() - t0) / steps
+    jax.profiler.stop_trace()
+    path = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)[0]
+    with gzip.open(path) as f:
+      trace = json.load(f)
+  return state, trace, wall

@@ -10,10 +10,6 @@ shapes, no target: the median of --steps timed steps, then a JAX profiler trace 
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +21,7 @@ from jax_drafter import step as step_lib
 from jax_drafter.config import load_config, resolve_drafter
 from jax_drafter.draft_vocab import with_draft_vocab
 from jax_drafter.trainer import _attn_impl
-from pallas_kernels.timing import timed_steps
+from pallas_kernels.timing import timed_steps, traced_steps
 
 SMOLLM2 = info_from_config(smollm2_config(), vocab_size=49152, tokenizer_size=49152,
                            name="smollm2-shaped")
@@ -63,13 +59,7 @@ def main():
   print(f"{a.config} {' '.join(a.overrides)}: {B} x {S} tokens, {t.num_anchors} anchors a row, block {d.block_size}, "
         f"{d.num_hidden_layers} layer(s), compute {t.compute_dtype}: "
         f"step {1e3 * np.median(times):.1f} ms (median of {a.steps})")
-  with tempfile.TemporaryDirectory() as tmp:
-    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-    for _ in range(3):
-      state, m = fn(state, batch, frozen)
-      jax.block_until_ready(m)
-    jax.profiler.stop_trace()
-    trace = json.load(gzip.open(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)[0]))
+  state, trace, _ = traced_steps(fn, state, batch, frozen, steps=3)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   total = collections.Counter()
   for e in events:

@@ -15,13 +15,11 @@ XLA_FLAGS in the environment apply (e.g. --xla_gpu_enable_triton_gemm=false).
 
 import argparse
 import collections
-import glob
 import gzip
 import json
 import os
 import re
 import statistics
-import tempfile
 import time
 import types
 
@@ -32,12 +30,11 @@ import jax  # noqa: E402
 from jax_drafter import presets  # noqa: E402
 from jax_drafter import step as step_lib  # noqa: E402
 from jax_drafter.tools import bench, bench_workers, plans  # noqa: E402
-from pallas_kernels.timing import timed_steps  # noqa: E402
+from pallas_kernels.timing import timed_steps, traced_steps  # noqa: E402
 
 CLASSES = (   # first match wins; kernel names as CUDA / XLA give them
     ("attention (Pallas)", re.compile(r"dflash|mosaic|pallas", re.I)),
-    ("GEMM", re.compile(r"gemm|xmma|cutlass|cublas|sm\d+_.*(?:tensorop|wgmma)|nvjet|triton_gemm|"
-                        r"^gemm_fusion|dot", re.I)),
+    ("GEMM", re.compile(r"gemm|xmma|cutlass|cublas|sm\d+_.*(?:tensorop|wgmma)|nvjet|dot", re.I)),
     ("copy / transpose", re.compile(r"copy|transpose|memcpy|memset", re.I)),
     ("reduction fusion", re.compile(r"reduce|reduction", re.I)),
     ("other fusion", re.compile(r"fusion|loop_|input_", re.I)),
@@ -109,15 +106,7 @@ def main():
         f"{', '.join(f'{x * 1e3:.1f}' for x in times)}), {flops / step / 1e12:.1f} model TFLOP/s "
         f"({100 * flops / step / bench.H200_BF16_PEAK:.1f}% of 989)", flush=True)
 
-  with tempfile.TemporaryDirectory() as tmp:
-    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-    t0 = time.perf_counter()
-    for _ in range(a.trace_steps):
-      state, m = fn(state, batch, frozen)
-    jax.block_until_ready(m)
-    wall = (time.perf_counter() - t0) / a.trace_steps
-    jax.profiler.stop_trace()
-    trace = json.load(gzip.open(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)[0]))
+  state, trace, wall = traced_steps(fn, state, batch, frozen, steps=a.trace_steps)
   events, tracks = device_events(trace)
   if not events:
     print("no device events in the trace (tracks: " + ", ".join(sorted(tracks)) + ")")

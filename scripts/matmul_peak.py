@@ -19,6 +19,13 @@ BURST = 8   # calls per timed run, one sync at the end: dispatch and sync overhe
 DEFAULT = "8192x8192x8192,16384x5120x34816,16384x17408x5120,2048x5120x248320,2048x248320x5120"
 
 
+def _burst(call):
+  """BURST calls of `call`, each result dropped as the next is queued: -> the last one."""
+  for _ in range(BURST):
+    out = call()
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shapes", default=DEFAULT, help="comma-separated MxKxN")
@@ -35,14 +42,14 @@ def main():
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
     y = jax.random.normal(jax.random.key(1), (K, N), jnp.bfloat16)
     mm = jax.jit(jnp.matmul)
-    t = median_seconds(lambda: [mm(x, y) for _ in range(BURST)][-1], warmup=3, reps=a.reps) / BURST
+    t = median_seconds(lambda: _burst(lambda: mm(x, y)), warmup=3, reps=a.reps) / BURST
     line = f"{M}x{K}x{N}: jax {t * 1e3:.3f} ms {flop / t / 1e12:.0f} TFLOP/s (XLA_FLAGS={flags!r})"
     del x, y
     if torch is not None and torch.cuda.is_available():
       p = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
       q = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-      t = median_seconds(lambda: [p @ q for _ in range(BURST)][-1],
-                         sync=lambda _: torch.cuda.synchronize(), warmup=3, reps=a.reps) / BURST
+      t = median_seconds(lambda: _burst(lambda: p @ q), sync=lambda _: torch.cuda.synchronize(),
+                         warmup=3, reps=a.reps) / BURST
       line += f" | torch {t * 1e3:.3f} ms {flop / t / 1e12:.0f} TFLOP/s"
       del p, q
       torch.cuda.empty_cache()
