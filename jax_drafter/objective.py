@@ -179,16 +179,17 @@ def row_argmax_max(x_CxV, block: int | None = 128):
 def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool,
                reuse_exp: bool | None = None):
   """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE.
-  reuse_exp: how the gradient's softmax is made (below); None = by the default backend."""
+  reuse_exp: how the distillation gradient's softmax is made (below); None = by the default
+  backend."""
   w = w_VxD.astype(compute_dtype)
   # Contract D of both operands directly: XLA:CPU materialises `w.T` for `x @ w.T` (a [D, V] copy
   # per step, 3x the matmul's own time for SmolLM2's head); GPUs fold it either way.
   logits_of = lambda x: jnp.einsum("cd,vd->cv", x.astype(compute_dtype), w,
                                    preferred_element_type=jnp.float32)
 
-  # The gradient's softmax: on a CPU from the exp the log-sum-exp already made (one [C, V] buffer
-  # more, 46 ms less of a 250 ms CPU step); on a GPU recomputed from the logits, so no second
-  # [C, V] f32 buffer is kept alive (8192 x 49152 is 1.6 GB) and the memory plans stand.
+  # With distillation, the gradient's softmax: on a CPU from the exp the log-sum-exp already made
+  # (one [C, V] buffer more, 46 ms less of a 250 ms CPU step); on a GPU recomputed from the
+  # logits, so no second [C, V] f32 buffer is kept alive (8192 x 49152 is 1.6 GB).
   on_cpu = jax.default_backend() == "cpu"
   if reuse_exp is None:
     reuse_exp = on_cpu
@@ -217,6 +218,14 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
       obj = (1.0 - lam) * ce + lam * kl
     if not with_grad:
       return obj, pred, kl
+    if t_CxD is None:
+      # d ce / d h = softmax @ W - W[y] = (e @ W) / sum(e) - W[y], e = exp(logits - max): the
+      # operand of the matmul is the exp the sum above already reads, so XLA emits both from one
+      # pass over the [C, V] logits (a reduction with a side output) instead of a third pass
+      # for softmax - onehot; and the label's -1 stays exact in f32 instead of rounding in bf16.
+      e_dot_w = jnp.matmul(e_CxV.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+      dh_CxD = e_dot_w * (1.0 / sum_e)[:, None] - jnp.take(w, y_C, axis=0).astype(jnp.float32)
+      return obj, pred, kl, dh_CxD
     # d obj / d logits = softmax - (1 - lam) onehot - lam p_teacher; d obj / d h = that @ W.
     onehot = jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
     if reuse_exp:

@@ -154,8 +154,9 @@ def test_chunked_cross_entropy_equals_unchunked_loss_and_gradients():
 
 @pytest.mark.parametrize("lam", [0.0, 0.5])
 def test_both_forms_of_the_fused_gradient_match_autodiff(lam):
-  """_ce_chunks makes the gradient's softmax from the log-sum-exp's exp on a CPU and recomputes
-  it on a GPU: both forms, plain CE and with a teacher, equal autodiff of the objective."""
+  """Plain CE's gradient is (exp(logits - max) @ W) / sum - W[label] on every backend; with a
+  teacher, the softmax comes from the log-sum-exp's exp on a CPU and is recomputed on a GPU.
+  Every form equals autodiff of the objective."""
   T, D, V, C = 24, 16, 50, 8
   h, head, y, _ = _ce_inputs(3, T, D, V)
   teacher = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)), jnp.float32) if lam else None
