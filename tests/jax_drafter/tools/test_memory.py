@@ -219,6 +219,14 @@ def test_budget_search_picks_a_config_that_fits(base):
   assert memory.analyze(fit.plan).peak_bytes <= budget < base.peak_bytes
 
 
+def test_flops_count_the_recomputation_of_a_remat_policy(base):
+  # The count comes from the step as traced (the same on a GPU, where the compiled module's count
+  # leaves out cuBLAS's GEMMs): recomputing the layers under remat=full adds their forward matmuls.
+  full = memory.analyze(_plan(remat="full"))
+  assert base.flops > 0
+  assert full.flops > 1.1 * base.flops, (base.flops, full.flops)
+
+
 # ---- remat policies give the same loss and gradients as no remat ----
 
 CFG = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
