@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -115,14 +116,46 @@ class Report:
     return d
 
 
-def _flops(lowered) -> float:
-  """XLA's FLOP count of the step as traced, before optimisation, so that it is the same on every
-  backend (a GPU's compiled module runs its GEMMs as cuBLAS custom calls, which XLA's count of
-  it leaves out: 3.65 TFLOP for a 251 TFLOP step). It counts a loop's body once (the CE's chunk
-  loop) and no Pallas kernel; the remat policies' recomputation it does count."""
-  ca = lowered.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  return float((ca or {}).get("flops", 0.0))
+def traced_flops(fn, *args) -> float:
+  """The matmul FLOPs of one call fn(*args), counted on its jaxpr: each dot_general (2 x output
+  elements x contracted size); a scan's body times its length (the CE's chunk loop); remat's
+  recomputation included; a while loop's body once (its trip count is unknown), a cond's
+  largest branch, a Pallas kernel by its cost estimate (0 without one). Elementwise work is not
+  counted. XLA's own counts fall short of this: the compiled module's leaves out what a GPU runs
+  as custom calls (cuBLAS's GEMMs: 3.65 TFLOP for a 251 TFLOP step), and both count a loop's
+  body once."""
+  from jax.extend import core as jcore
+
+  def count(jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+      name, p = eqn.primitive.name, eqn.params
+      if name == "dot_general":
+        (lc, _), _ = p["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = math.prod(lhs[i] for i in lc)
+        total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+        continue
+      if name == "pallas_call":
+        ce = p.get("cost_estimate")
+        total += float(ce.flops) if ce is not None else 0.0
+        continue
+      subs = []
+      for v in p.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+          if isinstance(x, jcore.ClosedJaxpr):
+            subs.append(x.jaxpr)
+          elif isinstance(x, jcore.Jaxpr):
+            subs.append(x)
+      if name == "cond":
+        total += max((count(j) for j in subs), default=0.0)
+      elif name == "while":
+        total += count(p["body_jaxpr"].jaxpr)
+      else:
+        total += sum(count(j) for j in subs) * (p["length"] if name == "scan" else 1)
+    return total
+
+  return count(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def _dump_options(dump_dir: str, fast: bool) -> dict:
@@ -188,16 +221,17 @@ def _fresh_compile():
     reset()
 
 
-def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_dir: str | None = None,
+def compile_and_analyze(jitted, args: tuple, arguments: dict[str, int], *, title: str,
+                        dump_dir: str | None = None,
                         fast: bool = True, top: int = 12, plan: Plan | None = None):
-  """Compile `lowered` with XLA's text dumps on, read them -> (Report, compiled).
+  """Lower jitted(*args) and compile it with XLA's text dumps on, read them -> (Report, compiled).
 
-  plan: the shapes `lowered` was built from, when known: the report then names the attention
+  plan: the shapes `args` were built from, when known: the report then names the attention
   implementation asked for and the size of the dense path's score tensor."""
   tmp = tempfile.mkdtemp(prefix="xla_mem_")
   try:
     with _fresh_compile():
-      compiled = lowered.compile(compiler_options=_dump_options(tmp, fast))
+      compiled = jitted.lower(*args).compile(compiler_options=_dump_options(tmp, fast))
     ma = compiled.memory_analysis()
     files = xla_dump.find_dump_files(tmp)
     hlo_text = open(files["hlo"]).read()
@@ -207,7 +241,8 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
     if not lr.peak_values:
       xla_dump.peak_from_ranges(lr, values)
     rep = Report(title, ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
-                 ma.temp_size_in_bytes, getattr(ma, "host_temp_size_in_bytes", 0), _flops(lowered),
+                 ma.temp_size_in_bytes, getattr(ma, "host_temp_size_in_bytes", 0),
+                 traced_flops(jitted, *args),
                  arguments, backend=jax.default_backend())
     at_peak = [_buffer(n, s, values, instrs)
                for n, s in sorted(lr.peak_values, key=lambda x: -x[1])]
@@ -236,7 +271,7 @@ def compile_and_analyze(lowered, arguments: dict[str, int], *, title: str, dump_
 
 def analyze(plan: Plan, *, dump_dir: str | None = None, top: int = 12) -> Report:
   jitted, args, cats = plans.abstract_inputs(plan)
-  rep, _ = compile_and_analyze(jitted.lower(*args), cats, title=f"{plan.name}: {plan.describe()}",
+  rep, _ = compile_and_analyze(jitted, args, cats, title=f"{plan.name}: {plan.describe()}",
                                dump_dir=dump_dir, top=top, plan=plan)
   return rep
 
@@ -306,8 +341,8 @@ def format_report(r: Report) -> str:
             f"  {gib(r.temp_bytes)}  temporaries"
             + (f" (+{gib(r.host_temp_bytes).strip()} GiB on host)" if r.host_temp_bytes else ""),
             f"  {gib(r.peak_bytes)}  predicted peak",
-            f"  {r.flops / 1e12:8.3f}  TFLOP per step (XLA's count before optimisation: a loop's body "
-            f"once, no Pallas kernel)"]
+            f"  {r.flops / 1e12:8.3f}  TFLOP per step (matmuls, counted on the step's jaxpr; Pallas "
+            f"kernels not)"]
   lines += _attention_lines(r)
   if r.peak_buffers or r.largest_buffers:
     lines.append("Buffers: size, shape, kind (parameter: an argument; donated: held in a donated "
@@ -451,7 +486,7 @@ def run_step(plan: Plan, dump_dir: str | None = None) -> tuple[Report, dict]:
                                                             plan.attn_impl))
   jax.block_until_ready((state, batch, frozen))
   before = measured_peak_bytes()
-  rep, compiled = compile_and_analyze(jitted.lower(state, batch, frozen),
+  rep, compiled = compile_and_analyze(jitted, (state, batch, frozen),
                                       plans.categories(state, batch, frozen),
                                       title=f"{plan.name}: {plan.describe()}", dump_dir=dump_dir,
                                       fast=False, plan=plan)
@@ -483,7 +518,7 @@ class StepReport:
   def before(self, jitted_step, state, batch, frozen) -> None:
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     args = jax.tree.map(spec, (state, batch, frozen))
-    rep, _ = compile_and_analyze(jitted_step.lower(*args), plans.categories(*args),
+    rep, _ = compile_and_analyze(jitted_step, args, plans.categories(*args),
                                  title="train step", dump_dir=self.out_dir, fast=False)
     self.result = {"predicted_peak_bytes": rep.peak_bytes, "argument_bytes": rep.argument_bytes,
                    "output_bytes": rep.output_bytes, "alias_bytes": rep.alias_bytes,

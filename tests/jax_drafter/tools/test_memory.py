@@ -219,9 +219,23 @@ def test_budget_search_picks_a_config_that_fits(base):
   assert memory.analyze(fit.plan).peak_bytes <= budget < base.peak_bytes
 
 
+def test_traced_flops_count_every_chunk_of_a_loop_and_remat():
+  # XLA's cost analysis counts a loop's body once (2 x 128 x 256 x 512 for the 8 chunks below);
+  # the traced count multiplies it by the trip count, and counts what remat recomputes.
+  x, w = jnp.ones((8, 128, 256)), jnp.ones((256, 512))
+  one = 2 * 128 * 256 * 512
+  assert memory.traced_flops(lambda x, w: jax.lax.map(lambda a: a @ w, x), x, w) == 8 * one
+  assert memory.traced_flops(jax.jit(lambda x, w: x.reshape(-1, 256) @ w), x, w) == 8 * one
+
+  def loss(x, remat):
+    f = lambda a: jnp.tanh(a @ w) @ w.T
+    return (jax.checkpoint(f) if remat else f)(x[0]).sum()
+  plain = memory.traced_flops(jax.grad(lambda x: loss(x, False)), x)
+  again = memory.traced_flops(jax.grad(lambda x: loss(x, True)), x)
+  assert again == plain + one, (plain, again)   # the first matmul, once more
+
+
 def test_flops_count_the_recomputation_of_a_remat_policy(base):
-  # The count comes from the step as traced (the same on a GPU, where the compiled module's count
-  # leaves out cuBLAS's GEMMs): recomputing the layers under remat=full adds their forward matmuls.
   full = memory.analyze(_plan(remat="full"))
   assert base.flops > 0
   assert full.flops > 1.1 * base.flops, (base.flops, full.flops)
