@@ -5,6 +5,7 @@ XLA plans memory differently on CPU and GPU; these tests assert CPU behaviour on
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -14,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_drafter import objective, trainer
+from jax_drafter import objective, presets, trainer
 from jax_drafter import step as step_lib
 from jax_drafter.config import DrafterConfig, TrainSection
-from jax_drafter.tools import memory, plans, xla_dump
+from jax_drafter.tools import bench, bench_workers, memory, plans, xla_dump
 
 from tiny_fixtures import tiny_run_config
 
@@ -233,6 +234,19 @@ def test_traced_flops_count_every_chunk_of_a_loop_and_remat():
   plain = memory.traced_flops(jax.grad(lambda x: loss(x, False)), x)
   again = memory.traced_flops(jax.grad(lambda x: loss(x, True)), x)
   assert again == plain + one, (plain, again)   # the first matmul, once more
+
+
+@pytest.mark.parametrize("case", ["tiny", "smol-2k-a512", "27b-8k"])
+def test_traced_flops_are_the_bench_model_flops_less_the_kernel_attention(case):
+  # Two independent counts: the bench's formula for MFU (bench.model_flops) and the jaxpr of the
+  # step the bench runs (traced only, never compiled). The Pallas attention kernel is the one
+  # thing the jaxpr count leaves out.
+  r = presets.RUNS[case]
+  args = argparse.Namespace(case=[case], ce_chunk=8192, remat="none", attention="triton")
+  jitted, inputs, _ = plans.abstract_inputs(bench_workers.plan_of(args, on_cpu=False))
+  model = bench.model_flops(presets.get(r.arch), r.seq_len, r.anchors, r.batch)
+  traced = memory.traced_flops(jitted, *inputs)
+  assert traced == pytest.approx(model["total"] - model["attention"], rel=1e-9)
 
 
 def test_flops_count_the_recomputation_of_a_remat_policy(base):
