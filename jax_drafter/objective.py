@@ -226,13 +226,14 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
       e_dot_w = jnp.matmul(e_CxV.astype(compute_dtype), w, preferred_element_type=jnp.float32)
       dh_CxD = e_dot_w * (1.0 / sum_e)[:, None] - jnp.take(w, y_C, axis=0).astype(jnp.float32)
       return obj, pred, kl, dh_CxD
-    # d obj / d logits = softmax - (1 - lam) onehot - lam p_teacher; d obj / d h = that @ W.
+    # With a teacher: d obj / d logits = softmax - (1 - lam) onehot - lam p_teacher; d obj / d h
+    # = that @ W.
     onehot = jax.nn.one_hot(y_C, logits_CxV.shape[-1], dtype=jnp.float32)
     if reuse_exp:
       dlogits = e_CxV * (1.0 / sum_e)[:, None]
     else:
       dlogits = jnp.exp(logits_CxV - lse[:, None])
-    dlogits = dlogits - onehot if t_CxD is None else dlogits - (1.0 - lam) * onehot - lam * p
+    dlogits = dlogits - (1.0 - lam) * onehot - lam * p
     dh_CxD = jnp.matmul(dlogits.astype(compute_dtype), w, preferred_element_type=jnp.float32)
     return obj, pred, kl, dh_CxD
 
