@@ -16,6 +16,12 @@ are against the fastest PyTorch row; memory is the peak, and the peak minus the 
 activations, so that remat policies compare fairly. A case is a run of jax_drafter.presets.
 
   python -m jax_drafter.tools.bench --case 27b-8k --devices 0,1 --json bench.json
+
+The JSON is rewritten as each row ends, so a bench stopped by a time limit keeps its finished
+rows; a later call runs the rest and joins them (`--merge`: ratios and loss checks over both):
+  python -m jax_drafter.tools.bench --case 8b-3k --json a.json            # stopped after the jax row
+  python -m jax_drafter.tools.bench --case 8b-3k --side pytorch-best --side pytorch-trainers \
+      --merge a.json --json b.json
 """
 
 from __future__ import annotations
@@ -108,12 +114,19 @@ def run_worker(side: str, case: str, args, device: str | None = None) -> dict:
           "log": "\n".join(tail)}
 
 
-def run_all(jobs: list[tuple[str, str]], args) -> dict:
-  """{(case, side): result}. With --devices, each GPU runs one job at a time, all GPUs at once."""
+def run_all(jobs: list[tuple[str, str]], args, on_result=None) -> dict:
+  """{(case, side): result}. With --devices, each GPU runs one job at a time, all GPUs at once.
+  on_result(case, side, result) is called as each run ends (from one thread at a time)."""
+  import threading
+  lock = threading.Lock()
+
   def done(case, side, r):
     # One line per run as soon as it ends, so that a killed benchmark still leaves its results.
-    print(f"[{time.strftime('%H:%M:%S')}] {case} {side}: {_fmt(r, _flops(case)['total'])}",
-          flush=True)
+    with lock:
+      print(f"[{time.strftime('%H:%M:%S')}] {case} {side}: {_fmt(r, _flops(case)['total'])}",
+            flush=True)
+      if on_result is not None:
+        on_result(case, side, r)
     return r
 
   if not args.devices:
@@ -197,7 +210,8 @@ def report_case(case: str, res: dict) -> tuple[dict, list[str]]:
   out = [f"\n== {case}: {shape} model work {flops['total'] / 1e12:.4g} TFLOP "
          f"({', '.join(f'{k} {v / 1e12:.3g}' for k, v in flops.items() if k != 'total')})"]
   for side, r in res.items():
-    out.append(f"  {side:17s} {_fmt(r, flops['total'])}")
+    out.append(f"  {side:17s} {_fmt(r, flops['total'])}"
+               + (f" (from {r['merged_from']})" if r.get("merged_from") else ""))
     if r.get("log"):
       out.append("        " + r["log"].replace("\n", "\n        "))
     if "lm_head_rows" in r:
@@ -218,6 +232,41 @@ def report_case(case: str, res: dict) -> tuple[dict, list[str]]:
                f"{'PASS' if c['ok'] else 'FAIL: not the same batch, weights or objective'}"
                + (f"; later steps up to {later:.1e} (information)" if later is not None else ""))
   return rec, out
+
+
+class BenchInputError(ValueError):
+  """A --merge file that cannot be used: unreadable, not a bench report, or without the case."""
+
+
+def merged_rows(paths: list[str], cases: list[str], running: list[str]) -> dict:
+  """{case: {row: result}} of the rows that the bench reports in `paths` hold for `cases` and that
+  this run does not run (`running`); each is marked with the file it came from. A later file's row
+  replaces an earlier file's."""
+  rows: dict = {}
+  for path in paths:
+    try:
+      with open(path) as f:
+        report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise BenchInputError(f"--merge {path}: cannot read it as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(report, dict) or not all(isinstance(v, dict) for v in report.values()):
+      raise BenchInputError(f"--merge {path}: not a bench report (the --json of "
+                            "python -m jax_drafter.tools.bench: one record per case)")
+    found = False
+    for case in cases:
+      rec = report.get(case)
+      if rec is None:
+        continue
+      found = True
+      for side in ROWS:
+        r = rec.get(side)
+        if side in running or not isinstance(r, dict) or "status" not in r:
+          continue
+        rows.setdefault(case, {})[side] = {**r, "merged_from": path}
+    if not found:
+      raise BenchInputError(f"--merge {path}: it has none of the cases {', '.join(cases)} "
+                            f"(it has {', '.join(sorted(report)) or 'no case'})")
+  return rows
 
 
 def failures(report: dict) -> list[str]:
@@ -257,6 +306,11 @@ def main(argv=None) -> int:
   ap.add_argument("--perturb-anchors", action="store_true",
                   help="self-check of the loss check: the PyTorch rows train on the JAX anchors "
                   "shifted by one token, and the bench must FAIL")
+  ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                  help="repeatable: the --json of an earlier bench; its rows of these cases that "
+                  "this run does not run join the report (ratios, first-step loss checks), marked "
+                  "merged_from. For rows split over several calls of one machine kind: the rows' "
+                  "weights, batch and anchors are seeded, so they are the same in every call")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
@@ -264,14 +318,40 @@ def main(argv=None) -> int:
     return (bench_workers.jax_worker if args.side == ["jax"] else bench_workers.torch_worker)(args)
   cases = args.case or ["27b-8k"]
   sides = [s for s in ROWS if s in (args.side or ROWS)]
-  results = run_all([(case, side) for case in cases for side in sides], args)
-  report, lines = {}, []
-  for case in cases:
-    report[case], case_lines = report_case(case, {side: results[case, side] for side in sides})
-    lines += case_lines
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=2)
+  try:
+    merged = merged_rows(args.merge, cases, sides)
+  except BenchInputError as e:
+    print(f"bench: {e}", file=sys.stderr)
+    return 2
+  results: dict = {}
+
+  def reports(final: bool) -> tuple[dict, list[str]]:
+    report, lines = {}, []
+    for case in cases:
+      res = {side: results[case, side] for side in sides if (case, side) in results}
+      res |= merged.get(case, {})
+      res = {side: res[side] for side in ROWS if side in res}    # the rows in their usual order
+      if res or final:
+        report[case], case_lines = report_case(case, res)
+        lines += case_lines
+    return report, lines
+
+  def write(report: dict) -> None:
+    if args.json:       # written whole, then renamed: a killed bench never leaves half a file
+      tmp = f"{args.json}.tmp"
+      with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+      os.replace(tmp, args.json)
+
+  def keep(case, side, r):
+    # Each finished row goes into the JSON at once: a bench stopped by a time limit (a lent
+    # machine's call) still leaves every finished row's record for a later --merge.
+    results[case, side] = r
+    write(reports(final=False)[0])
+
+  run_all([(case, side) for case in cases for side in sides], args, on_result=keep)
+  report, lines = reports(final=True)
+  write(report)
   print("\n".join(lines))
   bad = failures(report)
   checked = sum(len(rec["loss_check"]) for rec in report.values())

@@ -88,3 +88,32 @@ def test_an_errored_row_fails_the_bench_and_an_oom_does_not():
   res["pytorch-best"] = {"status": "error: RuntimeError: boom"}
   rec, _ = bench.report_case("tiny", res)
   assert bench.failures({"tiny": rec}) == ["tiny pytorch-best: error: RuntimeError: boom"]
+
+
+def test_rows_of_two_calls_merge_into_one_report(tmp_path, capsys):
+  """A row run in an earlier call (its --json) joins this call's rows: ratios and the first-step
+  loss check span both, and the merged row says where it came from."""
+  first, second = tmp_path / "a.json", tmp_path / "b.json"
+  assert bench.main(["--case", "tiny", "--steps", "0", "--ce-chunk", "32", "--side", "jax",
+                     "--json", str(first)]) == 0
+  assert set(json.load(open(first))["tiny"]) >= {"jax"}
+  capsys.readouterr()
+  assert bench.main(["--case", "tiny", "--steps", "0", "--ce-chunk", "32", "--side", "pytorch-best",
+                     "--merge", str(first), "--json", str(second)]) == 0
+  out = capsys.readouterr().out
+  r = json.load(open(second))["tiny"]
+  assert r["jax"]["merged_from"] == str(first) and "merged_from" not in r["pytorch-best"]
+  assert r["jax"]["first_loss"] == json.load(open(first))["tiny"]["jax"]["first_loss"]
+  assert r["loss_check"]["pytorch-best"]["ok"] and r["ratios"]["against"] == "pytorch-best"
+  assert f"(from {first})" in out and "bench: PASS (1 first-step loss check(s)" in out
+
+
+def test_a_merge_file_without_the_case_or_not_json_is_refused(tmp_path, capsys):
+  other = tmp_path / "other.json"
+  other.write_text(json.dumps({"27b-8k": {"jax": {"status": "ok"}}}))
+  assert bench.main(["--case", "tiny", "--side", "jax", "--merge", str(other)]) == 2
+  assert "has none of the cases tiny (it has 27b-8k)" in capsys.readouterr().err
+  bad = tmp_path / "bad.json"
+  bad.write_text("{ not json")
+  assert bench.main(["--case", "tiny", "--side", "jax", "--merge", str(bad)]) == 2
+  assert "cannot read it as JSON" in capsys.readouterr().err
