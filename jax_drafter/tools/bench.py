@@ -31,11 +31,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 
 from jax_drafter import presets
+from jax_drafter.checkpoint import save_json
 from jax_drafter.tools import plans
 from pallas_kernels.dflash_attention.reference import visible_pairs
 
@@ -117,7 +119,6 @@ def run_worker(side: str, case: str, args, device: str | None = None) -> dict:
 def run_all(jobs: list[tuple[str, str]], args, on_result=None) -> dict:
   """{(case, side): result}. With --devices, each GPU runs one job at a time, all GPUs at once.
   on_result(case, side, result) is called as each run ends (from one thread at a time)."""
-  import threading
   lock = threading.Lock()
 
   def done(case, side, r):
@@ -325,33 +326,28 @@ def main(argv=None) -> int:
     return 2
   results: dict = {}
 
-  def reports(final: bool) -> tuple[dict, list[str]]:
+  def reports() -> tuple[dict, list[str]]:
+    """The report of the cases with a row so far (this run's or merged), and its lines."""
     report, lines = {}, []
     for case in cases:
       res = {side: results[case, side] for side in sides if (case, side) in results}
       res |= merged.get(case, {})
       res = {side: res[side] for side in ROWS if side in res}    # the rows in their usual order
-      if res or final:
+      if res:
         report[case], case_lines = report_case(case, res)
         lines += case_lines
     return report, lines
 
-  def write(report: dict) -> None:
-    if args.json:       # written whole, then renamed: a killed bench never leaves half a file
-      tmp = f"{args.json}.tmp"
-      with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-      os.replace(tmp, args.json)
-
   def keep(case, side, r):
-    # Each finished row goes into the JSON at once: a bench stopped by a time limit (a lent
-    # machine's call) still leaves every finished row's record for a later --merge.
+    # Each finished row goes into the JSON at once (written whole, then renamed), so a bench
+    # stopped by a time limit (a lent machine's call) still leaves every finished row's record for
+    # a later --merge; the last row's write is the whole report.
     results[case, side] = r
-    write(reports(final=False)[0])
+    if args.json:
+      save_json(args.json, reports()[0])
 
   run_all([(case, side) for case in cases for side in sides], args, on_result=keep)
-  report, lines = reports(final=True)
-  write(report)
+  report, lines = reports()
   print("\n".join(lines))
   bad = failures(report)
   checked = sum(len(rec["loss_check"]) for rec in report.values())
