@@ -19,7 +19,6 @@ import yaml
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLEMENTATIONS = ("triton", "mosaic", "xla", "reference")  # pallas_kernels' api
-CE_STATS = ("triton", "xla", "interpret", "reference")   # objective.chunked_cross_entropy
 REMAT_POLICIES = ("none", "layer", "full", "offload")
 DTYPES = ("float32", "bfloat16")
 
@@ -390,9 +389,6 @@ class TrainSection:
                                     # (mosaic on Hopper, Pallas-Triton on other GPUs, xla on a
                                     # CPU), triton, mosaic (the Mosaic GPU kernels for H100/H200),
                                     # xla, reference
-  ce_stats: str | None = None       # the CE's softmax statistics per LM-head chunk: None = one
-                                    # pass of the Pallas-Triton kernel on a GPU, XLA's two passes
-                                    # elsewhere; triton, xla (interpret and reference: tests)
   seed: int = 0
   log_every: int = 10
   checkpoint_every: int = 100
@@ -433,9 +429,6 @@ class TrainSection:
     if self.attention is not None and self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ConfigError(f"train.attention={self.attention!r} must be null (the best available) or "
                         f"one of {ATTENTION_IMPLEMENTATIONS}")
-    if self.ce_stats is not None and self.ce_stats not in CE_STATS:
-      raise ConfigError(f"train.ce_stats={self.ce_stats!r} must be null (the kernel on a GPU) or "
-                        f"one of {CE_STATS}")
     if self.compute_dtype not in DTYPES + ("auto",):
       raise ConfigError(f"train.compute_dtype={self.compute_dtype!r} must be one of {DTYPES} or "
                         "'auto' (bfloat16 on a GPU or a CPU with bfloat16 matmul instructions)")

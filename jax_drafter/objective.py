@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.softmax_stats import api as softmax_stats
-
 
 class Blocks(NamedTuple):
   anchors: jax.Array       # int32 [B, N], valid ones sorted ascending, invalid ones 0 at the end
@@ -113,7 +111,7 @@ def ce_chunk_rows(T: int, chunk_size: int) -> int:
 
 
 def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
-                          compute_dtype=jnp.float32, stats: str | None = None):
+                          compute_dtype=jnp.float32):
   """Per-token CE and argmax against a frozen LM head, `chunk_size` tokens of logits at a time.
 
   Fused forward/backward: each chunk's [C, V] logits are used once, in the forward, to produce the
@@ -121,15 +119,8 @@ def chunked_cross_entropy(h_TxD, lm_head_VxD, labels_T, *, chunk_size: int,
   by the incoming per-token cotangent. So at most one chunk of logits is ever alive, and the LM
   head costs two matmuls (logits, d h) instead of three under remat (logits, logits again, d h).
   The LM head gets no gradient (it is frozen). Returns (ce f32 [T], pred int32 [T]).
-
-  stats: how each chunk's softmax statistics are made (train.ce_stats): None = the one-pass
-  Pallas-Triton kernel on a GPU (pallas_kernels/softmax_stats), XLA's passes elsewhere; "xla";
-  or an implementation of softmax_stats ("triton", "interpret", "reference").
   """
-  if stats is None:
-    stats = "triton" if jax.default_backend() == "gpu" else "xla"
-  ce, pred, _ = _chunked(h_TxD, lm_head_VxD, labels_T, None, 0.0, chunk_size, compute_dtype,
-                         stats)
+  ce, pred, _ = _chunked(h_TxD, lm_head_VxD, labels_T, None, 0.0, chunk_size, compute_dtype)
   return ce, pred
 
 
@@ -146,11 +137,11 @@ def chunked_distillation(h_TxD, lm_head_VxD, labels_T, teacher_TxD, *, kd_weight
   if not 0.0 < kd_weight <= 1.0:
     raise ValueError(f"kd_weight={kd_weight} must be in (0, 1]")
   return _chunked(h_TxD, lm_head_VxD, labels_T, teacher_TxD, float(kd_weight), chunk_size,
-                  compute_dtype, "xla")
+                  compute_dtype)
 
 
 def _chunked(h_TxD, lm_head_VxD, labels_T, teacher_TxD, lam: float, chunk_size: int,
-             compute_dtype, stats: str):
+             compute_dtype):
   """Rows padded to whole chunks of ce_chunk_rows, through _fused_ce, cut back to T."""
   T = h_TxD.shape[0]
   C = ce_chunk_rows(T, chunk_size)
@@ -159,7 +150,7 @@ def _chunked(h_TxD, lm_head_VxD, labels_T, teacher_TxD, lam: float, chunk_size: 
       (-1, C) + x.shape[1:])
   t = None if teacher_TxD is None else chunks(jax.lax.stop_gradient(teacher_TxD))
   obj, pred, kl = _fused_ce(chunks(h_TxD), jax.lax.stop_gradient(lm_head_VxD), chunks(labels_T),
-                            t, compute_dtype, lam, stats)
+                            t, compute_dtype, lam)
   cut = lambda x: None if x is None else x.reshape(-1)[:T]
   return cut(obj), cut(pred), cut(kl)
 
@@ -186,11 +177,10 @@ def row_argmax_max(x_CxV, block: int | None = 128):
 
 
 def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_grad: bool,
-               reuse_exp: bool | None = None, stats: str = "xla"):
+               reuse_exp: bool | None = None):
   """Per chunk: (objective, argmax, KL or None[, d objective / d h]). t_MxCxD None: plain CE.
   reuse_exp: how the distillation gradient's softmax is made (below); None = by the default
-  backend. stats: "xla", or the softmax_stats implementation that makes plain CE's statistics
-  and its gradient's operand in one pass (_one_pass_ce)."""
+  backend."""
   w = w_VxD.astype(compute_dtype)
   # Contract D of both operands directly: XLA:CPU materialises `w.T` for `x @ w.T` (a [D, V] copy
   # per step, 3x the matmul's own time for SmolLM2's head); GPUs fold it either way.
@@ -209,8 +199,6 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
 
   def chunk(args):
     h_CxD, y_C, t_CxD = args
-    if with_grad and t_CxD is None and stats != "xla":
-      return _one_pass_ce(h_CxD, y_C, w, compute_dtype, stats)
     logits_CxV = logits_of(h_CxD)
     # The row max comes with the argmax instead of a max reduction of its own: one pass less over
     # the [C, V] logits, which is most of the CE's time on a CPU (XLA:CPU runs a [384, 49152]
@@ -252,59 +240,17 @@ def _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam: float, with_g
   return jax.lax.map(chunk, (h_MxCxD, y_MxC, t_MxCxD))
 
 
-# A row whose label's logit lies this far below the row max is shifted by its max instead: the
-# one-pass sum holds up to V terms of exp(max - label logit) (V e^60 stays far below f32's 3.4e38
-# for any vocabulary), and its exponentials, rounded to bf16, keep their 8 significant bits.
-FAR_FROM_MAX = 60.0
-
-
-def _one_pass_ce(h_CxD, y_C, w_VxD, compute_dtype, stats: str):
-  """Plain CE, argmax and d CE / d h of one chunk from one pass over its f32 logits.
-
-  The shift of the exponentials is the label's own logit, known before the row max: so the
-  argmax, the max and e = exp(logits - label logit) with its row sum come from one read of the
-  logits (softmax_stats), where the XLA form reads them twice (the max, then the exponentials).
-  CE = log(sum e) and d CE / d h = (e @ W) / sum(e) - W[y], the shift cancelling. A chunk with a
-  row whose max exceeds its label's logit by FAR_FROM_MAX or more is redone with each row's max
-  as shift (the XLA form's math), its logits made again from h in groups of rows: the logits die
-  after the one pass, and the rare branch plans little memory."""
-  f32 = jnp.float32
-  logits_of = lambda x: jnp.einsum("...d,vd->...v", x.astype(compute_dtype), w_VxD,
-                                   preferred_element_type=f32)
-  logits_CxV = logits_of(h_CxD)
-  gold_C = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0]
-  e_CxV, sum_C, top_C, pred_C = softmax_stats.shifted_softmax_stats(
-      logits_CxV, gold_C, out_dtype=compute_dtype, implementation=stats)
-
-  def near(_):
-    e_dot_w = jnp.matmul(e_CxV, w_VxD, preferred_element_type=f32)
-    return e_dot_w * (1.0 / sum_C)[:, None], jnp.log(sum_C)
-
-  def far(_):
-    def row(args):
-      h_D, top, gold = args
-      e_V = jnp.exp(logits_of(h_D) - top)
-      s = jnp.sum(e_V)
-      soft_D = jnp.matmul(e_V.astype(compute_dtype), w_VxD, preferred_element_type=f32) / s
-      return soft_D, top + jnp.log(s) - gold
-    return jax.lax.map(row, (h_CxD, top_C, gold_C), batch_size=256)
-
-  soft_CxD, ce_C = jax.lax.cond(jnp.any(top_C - gold_C >= FAR_FROM_MAX), far, near, None)
-  return ce_C, pred_C, None, soft_CxD - jnp.take(w_VxD, y_C, axis=0).astype(f32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused_ce(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, stats):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_ce(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
   return _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=False)
 
 
-def _fused_ce_fwd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, stats):
-  obj, pred, kl, dh = _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam,
-                                 with_grad=True, stats=stats)
+def _fused_ce_fwd(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam):
+  obj, pred, kl, dh = _ce_chunks(h_MxCxD, w_VxD, y_MxC, t_MxCxD, compute_dtype, lam, with_grad=True)
   return (obj, pred, kl), (dh.astype(h_MxCxD.dtype), w_VxD, y_MxC, t_MxCxD)
 
 
-def _fused_ce_bwd(compute_dtype, lam, stats, res, cotangents):
+def _fused_ce_bwd(compute_dtype, lam, res, cotangents):
   dh, w, y, t = res
   g_obj = cotangents[0]          # pred and kl are metrics: their cotangents are dropped
   g_h = (dh.astype(jnp.float32) * g_obj[..., None]).astype(dh.dtype)

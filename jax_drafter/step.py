@@ -115,8 +115,7 @@ def micro_sums(graphdef, params, micro: dict, frozen: dict, key, *, cfg: Drafter
     head, loss_weights = frozen["draft_head"], jnp.where(inside, blocks.weights, 0.0)
   ce, pred, kl = supervised_ce(h, head, labels, cfg.block_size,
                                chunk_size=t.ce_chunk_size, compute_dtype=cd,
-                               teacher=teacher, anchors=blocks.anchors, kd_weight=t.kd_weight,
-                               stats=t.ce_stats)
+                               teacher=teacher, anchors=blocks.anchors, kd_weight=t.kd_weight)
   if "draft_ids" in frozen:
     pred = draft_vocab.to_target_ids(frozen, pred)
   sums = objective.block_sums(ce, pred, blocks, cfg.block_size, kl, loss_weights=loss_weights)
@@ -140,16 +139,14 @@ def split_features(features_BxSxF, cfg: DrafterConfig, t: TrainSection):
 
 
 def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_size: int,
-                  compute_dtype, teacher=None, anchors=None, kd_weight: float = 0.0,
-                  stats: str | None = None):
+                  compute_dtype, teacher=None, anchors=None, kd_weight: float = 0.0):
   """CE and argmax [B, Q] of block offsets 1..K-1 only: offset 0 (the anchor's own token) never
   has a label (weight 0 by the docs/DESIGN.md contract), so its LM-head rows are not computed at all,
   1/K of the largest matmul of the step. Offset 0 gets CE 0 and prediction -1.
 
   teacher [B, S, D] (the target's final-normed states; needs anchors [B, N] and kd_weight > 0):
   the objective mixes in KL(target || drafter), the target's distribution for token a + k being
-  its logits at position a + k - 1. stats: train.ce_stats (plain CE only).
-  Returns (objective, pred, kl or None)."""
+  its logits at position a + k - 1. Returns (objective, pred, kl or None)."""
   B, Q, D = h_BxQxD.shape
   K = block_size
   N = Q // K
@@ -160,7 +157,7 @@ def supervised_ce(h_BxQxD, lm_head_VxD, labels_BxQ, block_size: int, *, chunk_si
                                      constant_values=fill).reshape(B, Q)
   if teacher is None:
     ce, pred = objective.chunked_cross_entropy(h, lm_head_VxD, y, chunk_size=chunk_size,
-                                               compute_dtype=compute_dtype, stats=stats)
+                                               compute_dtype=compute_dtype)
     return unflat(ce), unflat(pred, -1), None
   S = teacher.shape[1]
   before = anchors[:, :, None] + jnp.arange(K - 1, dtype=jnp.int32)        # a + k - 1, k = 1..K-1

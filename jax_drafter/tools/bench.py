@@ -86,8 +86,6 @@ def _worker_cmd(side: str, case: str, args) -> list[str]:
          case, "--steps", str(args.steps), "--ce-chunk", str(ce_chunk), "--remat", args.remat]
   if side == "jax" and args.attention:
     cmd += ["--attention", args.attention]
-  if side == "jax" and args.ce_stats:
-    cmd += ["--ce-stats", args.ce_stats]
   if side == "jax" and case in args.breakdown:
     cmd += ["--breakdown", case]
   if side != "jax":
@@ -294,8 +292,6 @@ def main(argv=None) -> int:
   ap.add_argument("--remat", default="none", choices=("none", "layer", "full", "offload"),
                   help="the JAX row's remat policy")
   ap.add_argument("--attention", default=None, help="JAX attention implementation (default: best)")
-  ap.add_argument("--ce-stats", default=None, choices=("triton", "xla"),
-                  help="the JAX row's CE statistics (train.ce_stats; default: the kernel on a GPU)")
   ap.add_argument("--torch-attention", default="auto", choices=("auto", "flex", "sdpa", "eager"),
                   help="the PyTorch rows' attention; auto: flex on a GPU, eager on the CPU "
                   "(flex_attention has no backward there)")

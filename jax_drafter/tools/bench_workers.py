@@ -26,7 +26,7 @@ def plan_of(args, on_cpu: bool) -> plans.Plan:
   r = presets.RUNS[args.case[0]]
   t = TrainSection(steps=1000, num_anchors=r.anchors, ce_chunk_size=args.ce_chunk,
                    remat=args.remat, compute_dtype="float32" if on_cpu else "bfloat16",
-                   attention=args.attention, ce_stats=args.ce_stats)
+                   attention=args.attention)
   return plans.Plan(presets.get(r.arch), t, r.batch, r.seq_len,
                     feature_dtype="float32" if on_cpu else "bfloat16",
                     attn_impl={"implementation": args.attention} if args.attention else None,

@@ -86,15 +86,6 @@ def test_attention_implementation_is_checked_against_the_kernels_list():
     config_lib.TrainSection(attention="flash")
 
 
-def test_ce_stats_is_xla_or_a_softmax_stats_implementation():
-  from pallas_kernels.softmax_stats import api
-  assert set(config_lib.CE_STATS) == set(api.IMPLEMENTATIONS) | {"xla"}
-  for name in config_lib.CE_STATS:
-    assert config_lib.TrainSection(ce_stats=name).ce_stats == name
-  with pytest.raises(ConfigError, match="train.ce_stats='pallas'"):
-    config_lib.TrainSection(ce_stats="pallas")
-
-
 def test_negative_feature_cache_sizes_are_config_errors():
   for key in ("feature_cache_gib", "feature_cache_host_gib"):
     with pytest.raises(ConfigError, match=f"target.{key}=-1 must be >= 0"):

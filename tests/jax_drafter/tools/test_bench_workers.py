@@ -13,8 +13,7 @@ from jax_drafter.tools.parity import step_anchors
 
 
 def _plan(feature_dtype="float32"):
-  args = argparse.Namespace(case=["tiny"], ce_chunk=32, remat="none", attention=None,
-                            ce_stats=None)
+  args = argparse.Namespace(case=["tiny"], ce_chunk=32, remat="none", attention=None)
   return dataclasses.replace(bench_workers.plan_of(args, on_cpu=True), feature_dtype=feature_dtype)
 
 

@@ -242,8 +242,7 @@ def test_traced_flops_are_the_bench_model_flops_less_the_kernel_attention(case):
   # step the bench runs (traced only, never compiled). The Pallas attention kernel is the one
   # thing the jaxpr count leaves out.
   r = presets.RUNS[case]
-  args = argparse.Namespace(case=[case], ce_chunk=8192, remat="none", attention="triton",
-                            ce_stats=None)
+  args = argparse.Namespace(case=[case], ce_chunk=8192, remat="none", attention="triton")
   jitted, inputs, _ = plans.abstract_inputs(bench_workers.plan_of(args, on_cpu=False))
   model = bench.model_flops(presets.get(r.arch), r.seq_len, r.anchors, r.batch)
   traced = memory.traced_flops(jitted, *inputs)
