@@ -1,7 +1,9 @@
-"""Two drafters' evaluation reports on the same prompts, compared prompt by prompt.
+"""Two drafters' evaluation reports on the same prompts, compared prompt by prompt; or two
+recipes, each trained several times (one report per training run), compared over their runs.
 
     python -m jax_drafter.tools.compare BASE.json NEW.json [--first N] [--resamples 2000] [--seed 0]
                                         [--json F]
+    python -m jax_drafter.tools.compare B0.json,B1.json,B2.json N0.json,N1.json,N2.json
 
 BASE.json and NEW.json are `jax_drafter.evaluate --json` reports. A difference in tau between two
 drafters is only meaningful against the noise of the prompts: responses differ far more from each
@@ -19,6 +21,16 @@ Prompts are matched by the key of their token ids (reports of evaluate since thi
 position with equal prompt lengths; reports on other prompts, another --max-new-tokens or another
 temperature are refused, naming the difference; reports whose target decoded differently
 (evaluate --decoder) are compared with a note saying so.
+
+Prompt-by-prompt intervals count the noise of the prompts, not of training: two drafters trained
+by one recipe on the same data with another `train.seed` differ by more than those intervals
+(0.076 on the CPU default's 32 held-out prompts, with a paired standard error of 0.025;
+benchmarks/cpu-2026-12-06f-layer-choice/). So a recipe change is judged over several training runs
+a side: give each side as reports separated by commas (one per run, on the same prompts). Each
+run's tau (mean over prompts) is printed, each side's mean and standard deviation over its runs,
+and NEW's mean minus BASE's with the standard error of that difference from the runs' spread
+(Welch; needs two runs or more a side). The prompt-by-prompt figures then pool each side's runs
+per prompt (every run's verify steps of that prompt together).
 """
 
 from __future__ import annotations
@@ -84,6 +96,57 @@ def pair(base: dict, new: dict, names=("BASE", "NEW"), *,
   return list(zip(a, b))
 
 
+def merge_runs(reports: list[dict], name: str = "BASE", *, first: int | None = None) -> dict:
+  """One side's training runs as one report: each prompt's verify steps of every run together,
+  in the first run's prompt order. The runs must be on the same prompts and settings."""
+  rows = [dict(r, accepted=list(r["accepted"])) for r in reports[0]["per_prompt"]]
+  if first is not None:
+    if first < 1 or first > len(rows):
+      raise CompareError(f"--first {first}: {name} has {len(rows)} prompts; give at most {len(rows)}")
+    rows = rows[:first]
+  for i, other in enumerate(reports[1:], 1):
+    for row, (_, o) in zip(rows, pair(reports[0], other, (f"{name} run 0", f"{name} run {i}"),
+                                      first=first)):
+      row["accepted"] += list(o["accepted"])
+  decoders = {r.get("tokens_per_second", {}).get("decoder") for r in reports}
+  merged = {k: v for k, v in reports[0].items() if k != "per_prompt"}
+  merged["per_prompt"] = rows
+  merged["tokens_per_second"] = {"decoder": decoders.pop() if len(decoders) == 1 else
+                                 "differently in its runs"}
+  return merged
+
+
+def run_taus(report: dict, first: int | None = None) -> float:
+  """A run's tau: the mean over its prompts (the first `first`) of each prompt's tau."""
+  taus = [_tau(r) for r in report["per_prompt"][:first]]
+  taus = [t for t in taus if t is not None]
+  if not taus:
+    raise CompareError("a report has no prompt with verify steps")
+  return float(np.mean(taus))
+
+
+def over_runs(bases: list[dict], news: list[dict], names=("BASE", "NEW"), *,
+              first: int | None = None) -> dict:
+  """Each run's tau, each side's mean and standard deviation over its runs, and the difference
+  of the means with its standard error from the runs' spread (Welch: sqrt(sa^2/na + sb^2/nb))."""
+  taus = {names[0]: [run_taus(r, first) for r in bases], names[1]: [run_taus(r, first) for r in news]}
+  mean = {k: float(np.mean(v)) for k, v in taus.items()}
+  sd = {k: float(np.std(v, ddof=1)) if len(v) > 1 else None for k, v in taus.items()}
+  se = None
+  if all(s is not None for s in sd.values()):
+    se = float(np.sqrt(sum(sd[k] ** 2 / len(taus[k]) for k in taus)))
+  return {"tau": taus, "mean": mean, "sd": sd,
+          "difference": mean[names[1]] - mean[names[0]], "difference_stderr": se}
+
+
+def compare_runs(bases: list[dict], news: list[dict], *, resamples: int = 2000, seed: int = 0,
+                 names=("BASE", "NEW"), first: int | None = None) -> dict:
+  """compare() of each side's runs pooled per prompt, with the figures over runs added."""
+  merged = (merge_runs(bases, names[0], first=first), merge_runs(news, names[1], first=first))
+  c = compare(*merged, resamples=resamples, seed=seed, names=names)
+  return {**c, "runs": over_runs(bases, news, names, first=first)}
+
+
 def _tau(row: dict) -> float | None:
   acc = row["accepted"]
   return float(np.mean(acc) + 1) if acc else None
@@ -138,7 +201,17 @@ def format_comparison(c: dict, names=("BASE", "NEW")) -> str:
   a, b = names
   se = c["tau_difference_stderr"]
   iv = c["tau_pooled_difference_95"]
-  lines = [
+  lines = []
+  runs = c.get("runs")
+  if runs and min(len(v) for v in runs["tau"].values()) > 1:
+    for nm in names:
+      lines.append(f"  {nm}: {len(runs['tau'][nm])} training runs, tau "
+                   + " ".join(f"{t:.3f}" for t in runs["tau"][nm])
+                   + f"; mean {runs['mean'][nm]:.3f} ± {runs['sd'][nm]:.3f} (standard deviation over runs)")
+    lines.append(f"  {b} - {a} over runs: {runs['difference']:+.3f} ± {runs['difference_stderr']:.3f} "
+                 "(standard error from the runs' spread): the figure that judges a recipe")
+    lines.append("  below, each side's runs pooled per prompt (intervals over prompts, not runs):")
+  lines += [
       f"{c['prompts']} prompts ({c['prompts_with_steps_in_both']} with verify steps in both)",
       f"  tau (mean over prompts)   {a} {c['tau'][a]:.3f}   {b} {c['tau'][b]:.3f}",
       f"  {b} - {a}, prompt by prompt: {c['tau_difference']:+.3f}"
@@ -150,6 +223,10 @@ def format_comparison(c: dict, names=("BASE", "NEW")) -> str:
          f" {c['resamples']} resamples)"),
       f"  median of per-prompt tau   {a} {c['tau_median'][a]:.3f}   {b} {c['tau_median'][b]:.3f}",
   ]
+  if not (runs and min(len(v) for v in runs["tau"].values()) > 1):
+    lines.append("  one training run on a side: this compares two drafters. Another train.seed of "
+                 "the same recipe moves tau by more than these intervals; give several runs a side "
+                 "(A0.json,A1.json) to compare recipes")
   dec = c.get("decoder") or {}
   if dec.get(a) != dec.get(b):
     lines.append(f"  note: the target decoded {dec.get(a) or '(not recorded)'} in {a}, "
@@ -161,8 +238,10 @@ def format_comparison(c: dict, names=("BASE", "NEW")) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m jax_drafter.tools.compare",
                               description=__doc__.split("\n")[0])
-  p.add_argument("base", help="the reference drafter's report (jax_drafter.evaluate --json)")
-  p.add_argument("new", help="the other drafter's report, on the same prompts")
+  p.add_argument("base", help="the reference drafter's report (jax_drafter.evaluate --json); "
+                              "several training runs of one recipe: their reports joined by commas")
+  p.add_argument("new", help="the other drafter's report, on the same prompts (or its runs' "
+                             "reports, joined by commas)")
   p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--first", type=int, metavar="N",
@@ -173,8 +252,11 @@ def main(argv=None) -> int:
   if args.resamples < 0:
     p.error("--resamples must be >= 0")
   try:
-    c = compare(load_report(args.base), load_report(args.new), resamples=args.resamples,
-                seed=args.seed, first=args.first)
+    sides = [[load_report(f) for f in spec.split(",") if f] for spec in (args.base, args.new)]
+    if not all(sides):
+      raise CompareError("give at least one report a side: BASE.json NEW.json, or each side's "
+                         "runs joined by commas (B0.json,B1.json N0.json,N1.json)")
+    c = compare_runs(*sides, resamples=args.resamples, seed=args.seed, first=args.first)
   except CompareError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

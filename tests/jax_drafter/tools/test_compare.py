@@ -110,6 +110,8 @@ def test_cli(tmp_path, capsys):
   assert f"{bad}: no per_prompt rows" in capsys.readouterr().err
   assert compare.main([str(a), str(tmp_path / "missing.json")]) == 2
   assert "cannot read an evaluation report" in capsys.readouterr().err
+  assert compare.main([",", str(a)]) == 2
+  assert "at least one report a side" in capsys.readouterr().err
 
 
 def test_first_n_prompts_of_a_longer_evaluation():
@@ -125,3 +127,62 @@ def test_first_n_prompts_of_a_longer_evaluation():
   assert compare.compare(long, long, resamples=10, first=5)["prompts"] == 5
   with pytest.raises(compare.CompareError, match="at most 4"):
     compare.compare(short, long, resamples=10, first=5)
+
+
+def test_recipes_over_their_training_runs():
+  """Several runs a side: each run's tau, each side's mean and sd over runs, the difference of
+  the means with the Welch standard error; the prompt-by-prompt figures pool each prompt's steps
+  of every run of a side."""
+  keys = ["a", "b"]
+  b0 = _report([[0, 0], [1]], keys=keys)           # taus 1, 2   -> run tau 1.5
+  b1 = _report([[1], [1, 1]], keys=keys)           # taus 2, 2   -> 2.0
+  n0 = _report([[3], [1]], keys=keys)              # taus 4, 2   -> 3.0
+  n1 = _report([[2], [0]], keys=keys)              # taus 3, 1   -> 2.0
+  n2 = _report([[1, 3], [0, 0]], keys=["b", "a"])  # taus 1 (a), 3 (b) in another order -> 2.0
+  c = compare.compare_runs([b0, b1], [n0, n1, n2], resamples=50)
+  r = c["runs"]
+  assert r["tau"] == {"BASE": [1.5, 2.0], "NEW": [3.0, 2.0, 2.0]}
+  np.testing.assert_allclose(r["mean"]["NEW"], 7 / 3)
+  np.testing.assert_allclose(r["sd"]["BASE"], np.std([1.5, 2.0], ddof=1))
+  np.testing.assert_allclose(r["difference"], 7 / 3 - 1.75)
+  np.testing.assert_allclose(r["difference_stderr"], np.sqrt(np.var([1.5, 2.0], ddof=1) / 2
+                                                             + np.var([3.0, 2.0, 2.0], ddof=1) / 3))
+  # Pooled per prompt: BASE's prompt a has steps [0, 0, 1] (tau 4/3), b [1, 1, 1] (2);
+  # NEW's a [3, 2, 0, 0] (tau 2.25), b [1, 0, 1, 3] (2.25), runs matched by prompt key.
+  np.testing.assert_allclose(c["tau"]["BASE"], (4 / 3 + 2) / 2)
+  np.testing.assert_allclose(c["tau"]["NEW"], 2.25)
+  np.testing.assert_allclose(c["tau_pooled"]["BASE"], (4 + 6) / 6)   # tokens over steps
+  text = compare.format_comparison(c)
+  assert "BASE: 2 training runs, tau 1.500 2.000; mean 1.750 ± 0.354" in text
+  assert "NEW - BASE over runs: +0.583 ± 0.417" in text
+  assert "one training run on a side" not in text
+  # One run a side: the same figures as before, and the note that they compare drafters.
+  one = compare.compare_runs([b0], [n0], resamples=50)
+  assert one["tau_difference"] == compare.compare(b0, n0, resamples=50)["tau_difference"]
+  assert one["runs"]["difference_stderr"] is None
+  assert "one training run on a side: this compares two drafters" in compare.format_comparison(one)
+
+
+def test_runs_of_one_side_must_be_on_the_same_prompts():
+  b0 = _report([[0], [1]], keys=["a", "b"])
+  other = _report([[0], [1]], keys=["a", "c"])
+  with pytest.raises(compare.CompareError, match="different prompts.*NEW run 0's not in NEW run 1"):
+    compare.compare_runs([b0], [b0, other])
+  with pytest.raises(compare.CompareError, match="--first 3: BASE has 2 prompts; give at most 2"):
+    compare.compare_runs([b0, b0], [b0], first=3)
+  c = compare.compare_runs([b0, b0], [b0, b0], first=1, resamples=10)
+  assert c["prompts"] == 1 and c["runs"]["tau"]["BASE"] == [1.0, 1.0]
+
+
+def test_cli_with_runs_joined_by_commas(tmp_path, capsys):
+  files = []
+  for i, acc in enumerate([[[0], [1]], [[1], [1]], [[2], [2]], [[3], [1]]]):
+    f = tmp_path / f"r{i}.json"
+    f.write_text(json.dumps(_report(acc, keys=["x", "y"])))
+    files.append(str(f))
+  out = tmp_path / "cmp.json"
+  assert compare.main([",".join(files[:2]), ",".join(files[2:]), "--resamples", "20",
+                       "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "NEW - BASE over runs: +1.250 ± 0.250" in text
+  assert json.loads(out.read_text())["runs"]["tau"]["NEW"] == [3.0, 3.0]
