@@ -103,7 +103,7 @@ def profile_shape(model, B, P, new, top, contiguous_head=True):
     done = torch.zeros(B, dtype=torch.bool, device=dev)
 
     def full_step(i=[t]):
-      lg = batch.decode(tokens, i[0], cuda)
+      lg = batch.decode(tokens, i[0], use_graph=cuda)
       nt = torch.where(done, 2, lg.argmax(-1))
       out[batch.rows, i[0]] = nt
       i[0] += 1

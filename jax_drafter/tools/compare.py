@@ -203,7 +203,8 @@ def format_comparison(c: dict, names=("BASE", "NEW")) -> str:
   iv = c["tau_pooled_difference_95"]
   lines = []
   runs = c.get("runs")
-  if runs and min(len(v) for v in runs["tau"].values()) > 1:
+  several = bool(runs) and min(len(v) for v in runs["tau"].values()) > 1   # runs a side
+  if several:
     for nm in names:
       lines.append(f"  {nm}: {len(runs['tau'][nm])} training runs, tau "
                    + " ".join(f"{t:.3f}" for t in runs["tau"][nm])
@@ -223,7 +224,7 @@ def format_comparison(c: dict, names=("BASE", "NEW")) -> str:
          f" {c['resamples']} resamples)"),
       f"  median of per-prompt tau   {a} {c['tau_median'][a]:.3f}   {b} {c['tau_median'][b]:.3f}",
   ]
-  if not (runs and min(len(v) for v in runs["tau"].values()) > 1):
+  if not several:
     lines.append("  one training run on a side: this compares two drafters. Another train.seed of "
                  "the same recipe moves tau by more than these intervals; give several runs a side "
                  "(A0.json,A1.json) to compare recipes")

@@ -13,8 +13,12 @@ from bench_generation import smollm2_shaped_model  # noqa: E402
 
 
 def test_cpu_profile_times_the_eager_phases_and_names_the_matmuls():
-  torch.set_num_threads(2)
-  r = prof.profile_shape(smollm2_shaped_model("cpu"), B=2, P=16, new=16, top=5)
+  n = torch.get_num_threads()
+  torch.set_num_threads(2)             # as on CI; the tests after this one keep their own count
+  try:
+    r = prof.profile_shape(smollm2_shaped_model("cpu"), B=2, P=16, new=16, top=5)
+  finally:
+    torch.set_num_threads(n)
   assert {"prefill_ms", "decode_step_full_ms", "decode_eager_ms"} <= r.keys()
   assert not {"capture_ms", "decode_graph_ms", "keep_ms", "prefill_peak_gib"} & r.keys()
   assert all(r[k] > 0 for k in ("prefill_ms", "decode_step_full_ms", "decode_eager_ms"))
