@@ -11,7 +11,9 @@ conversation whose answer regeneration then writes; cut, empty and repeated mess
 Prompts are sampled in chunks of `chunk` rows, each from its own seeded generator, and every
 chunk is one line of an append-only JSONL cache keyed by the target's fingerprint and the
 settings: a second run reads them back, an interrupted one (Ctrl-C, kill -9) generates only the
-chunks it lacks (a torn last line is cut off first).
+chunks it lacks (a torn last line is cut off first). The count is not part of the key, since a
+chunk does not depend on it: a run asking for more prompts than an earlier one samples only the
+chunks after the earlier ones (a partial last chunk, which has fewer rows, is sampled again whole).
 """
 
 from __future__ import annotations
@@ -59,17 +61,26 @@ def user_prefix(tokenizer) -> list[int]:
 
 
 def prompts_key(fingerprint: str, s: PromptSettings) -> str:
-  """Names the prompts: the target and every setting that changes them."""
+  """Names the prompts: the target and every setting that changes them, the count included (the
+  data's key; chunks written before 2026-12-07 were keyed by it too, and are still read, whatever
+  their count)."""
   return f"synthetic:{fingerprint}:{json.dumps(asdict(s), sort_keys=True)}"
+
+
+def chunk_key(fingerprint: str, s: PromptSettings) -> str:
+  """Names a chunk: the target and every setting that changes a chunk's texts, not the count
+  (chunk `start` of `n` rows is the same texts whatever the count)."""
+  settings = {k: v for k, v in asdict(s).items() if k != "count"}
+  return f"synthetic:{fingerprint}:{json.dumps(settings, sort_keys=True)}"
 
 
 def synthesize(model, tokenizer, s: PromptSettings, *, fingerprint: str, cache_path: str,
                progress: bool = True) -> list[dict]:
   """-> one-turn conversations {"id", "messages": [user, assistant placeholder]} of the complete,
   distinct user messages among `s.count` sampled ones (cached: see the module docstring)."""
-  key = prompts_key(fingerprint, s)
+  key = chunk_key(fingerprint, s)
   path = Path(cache_path)
-  chunks = _read(path, key)
+  chunks = _read(path, fingerprint, s)
   starts = range(0, s.count, s.chunk)
   todo = [i for i in starts if i not in chunks]
   if todo:
@@ -106,7 +117,7 @@ def synthesize(model, tokenizer, s: PromptSettings, *, fingerprint: str, cache_p
 
 def cached(s: PromptSettings, *, fingerprint: str, cache_path: str) -> list[dict]:
   """The prompts `synthesize` wrote for this target and these settings, without the target."""
-  chunks = _read(Path(cache_path), prompts_key(fingerprint, s))
+  chunks = _read(Path(cache_path), fingerprint, s)
   missing = [i for i in range(0, s.count, s.chunk) if i not in chunks]
   if missing:
     raise RegenerationError(f"{cache_path} lacks {len(missing)} chunks of the synthetic prompts "
@@ -129,11 +140,24 @@ def _conversations(chunks: dict[int, list], s: PromptSettings) -> list[dict]:
   return out
 
 
-def _read(path: Path, key: str) -> dict[int, list]:
+def _read(path: Path, fingerprint: str, s: PromptSettings) -> dict[int, list]:
+  """start -> texts of the cached chunks these settings use: of the right key and as many rows as
+  the chunk at `start` has for `s.count`."""
+  prefix = f"synthetic:{fingerprint}:"
+  mine = {k: v for k, v in asdict(s).items() if k != "count"}
   chunks = {}
 
+  def ours(key):     # chunk_key, or prompts_key of any count (the older caches)
+    if not key.startswith(prefix):
+      return False
+    settings = json.loads(key[len(prefix):])
+    settings.pop("count", None)
+    return settings == mine
+
   def take(record):
-    if record["key"] == key:
-      chunks[int(record["start"])] = list(record["texts"])
+    start = int(record["start"])
+    if (start < s.count and len(record["texts"]) == min(s.chunk, s.count - start)
+        and ours(record["key"])):
+      chunks[start] = list(record["texts"])
   read_jsonl_cache(path, take, "that chunk of synthetic prompts is sampled again")
   return chunks

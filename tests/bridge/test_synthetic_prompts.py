@@ -66,3 +66,41 @@ def test_a_tokenizer_without_a_chat_template_is_refused():
     chat_template = None
   with pytest.raises(RegenerationError, match="no chat template"):
     sp.user_prefix(NoTemplate())
+
+
+def test_more_prompts_sample_only_the_chunks_after_the_cached_ones(smollm2_target, tmp_path,
+                                                                    monkeypatch):
+  model, tok = smollm2_target.model, smollm2_target.tokenizer
+  cache = str(tmp_path / "synthetic_prompts.jsonl")
+  small = sp.PromptSettings(count=6, max_new_tokens=24, temperature=1.0, seed=5, chunk=4)
+  big = sp.PromptSettings(count=12, max_new_tokens=24, temperature=1.0, seed=5, chunk=4)
+  sp.synthesize(model, tok, small, fingerprint="fp", cache_path=cache, progress=False)
+  sampled = []
+  real = generation.generate_many
+  monkeypatch.setattr(generation, "generate_many",
+                      lambda model, prompts, **k: (sampled.append(len(prompts)),
+                                                   real(model, prompts, **k))[1])
+  grown = sp.synthesize(model, tok, big, fingerprint="fp", cache_path=cache, progress=False)
+  # Chunk 0 is reused; the partial chunk at 4 (2 rows for count 6) is sampled again whole, then 8.
+  assert sampled == [4, 4]
+  fresh = sp.synthesize(model, tok, big, fingerprint="fp", cache_path=str(tmp_path / "new.jsonl"),
+                        progress=False)
+  assert grown == fresh
+  # A cache written before the count left the key (its records keyed by prompts_key) is read too.
+  legacy = tmp_path / "legacy.jsonl"
+  with open(legacy, "w") as f:
+    for line in open(tmp_path / "new.jsonl"):
+      record = json.loads(line)
+      record["key"] = sp.prompts_key("fp", big)
+      f.write(json.dumps(record) + "\n")
+  sampled.clear()
+  assert sp.synthesize(model, tok, big, fingerprint="fp", cache_path=str(legacy),
+                       progress=False) == fresh
+  assert sampled == []
+  eight = sp.PromptSettings(count=8, max_new_tokens=24, temperature=1.0, seed=5, chunk=4)
+  assert sp.cached(eight, fingerprint="fp", cache_path=str(legacy)) == sp.cached(
+      eight, fingerprint="fp", cache_path=str(tmp_path / "new.jsonl"))
+  # Other settings (another seed) share nothing.
+  with pytest.raises(RegenerationError, match="lacks 3 chunks"):
+    sp.cached(sp.PromptSettings(count=12, max_new_tokens=24, temperature=1.0, seed=6, chunk=4),
+              fingerprint="fp", cache_path=cache)
