@@ -6,6 +6,11 @@ shapes, no target: the median of --steps timed steps, then a JAX profiler trace 
 
   PYTHONPATH=.:scripts python scripts/cpu_step_profile.py [--config configs/smollm2.yaml] [--steps 8] [--top 15]
       [section.key=value ...]        e.g. train.compute_dtype=float32 drafter.draft_vocab_size=8192
+
+--compare-plain-matmul times the step against the same step with `jax_drafter.model.matmul` as
+plain `jnp.matmul` (what XLA:CPU upcasts to float32 dots in bfloat16), in one process, in
+alternating rounds of --steps steps (steps of separate processes on a shared 2-core machine
+differ by 20% and more), and prints both medians instead of the profile.
 """
 
 import argparse
@@ -17,6 +22,7 @@ import numpy as np
 
 from bench_generation import smollm2_config   # scripts/ is on the path when run as a script
 from bridge.target import info_from_config
+from jax_drafter import model
 from jax_drafter import step as step_lib
 from jax_drafter.config import load_config, resolve_drafter
 from jax_drafter.draft_vocab import with_draft_vocab
@@ -32,6 +38,8 @@ def main():
   ap.add_argument("--config", default="configs/smollm2.yaml")
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--top", type=int, default=15)
+  ap.add_argument("--compare-plain-matmul", action="store_true")
+  ap.add_argument("--rounds", type=int, default=6, help="with --compare-plain-matmul")
   ap.add_argument("overrides", nargs="*", help="section.key=value, as for jax_drafter.train")
   a = ap.parse_args()
   cfg = load_config(a.config, a.overrides)
@@ -53,6 +61,8 @@ def main():
   frozen = step_lib.frozen_in_compute_dtype({"embed": head, "lm_head": head}, t.compute_dtype)
   if d.draft_vocab_size:   # drafter.draft_vocab_size=N: the first N ids (a run ranks them by count)
     frozen = with_draft_vocab(frozen, np.arange(d.draft_vocab_size, dtype=np.int32))
+  if a.compare_plain_matmul:
+    return compare_plain_matmul(d, t, opt, batch, frozen, a)
   # Two untimed calls: the first compiles, and on XLA:CPU the second is still seconds slower
   # (no retrace: JAX_EXPLAIN_CACHE_MISSES shows one).
   state, times = timed_steps(fn, state, batch, frozen, steps=a.steps, warmup=2)
@@ -68,6 +78,29 @@ def main():
   print("ms a step   XLA op (the dots run as XNNPACK 'ynn' fusions on recent XLA:CPU)")
   for name, us in total.most_common(a.top):
     print(f"{us / 3e3:9.2f}   {name[:100]}")
+
+
+def compare_plain_matmul(d, t, opt, batch, frozen, a):
+  """The step as it is against the same step built with model.matmul = jnp.matmul: both
+  compiled first, then timed in alternating rounds; medians and quartiles over all rounds."""
+  ours, rows = model.matmul, {}
+  try:
+    for name, mm in (("jnp.matmul", jnp.matmul), ("model.matmul", ours)):
+      model.matmul = mm   # read when the step is traced, which the warm-up call does
+      graphdef, state = step_lib.init_state(d, t, opt)
+      fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, t, opt, _attn_impl(t)))
+      state, _ = timed_steps(fn, state, batch, frozen, steps=1, warmup=2)
+      rows[name] = [fn, state, []]
+  finally:
+    model.matmul = ours
+  for _ in range(a.rounds):
+    for row in rows.values():
+      row[1], times = timed_steps(row[0], row[1], batch, frozen, steps=a.steps, warmup=0)
+      row[2].extend(times)
+  for name, (_, _, times) in rows.items():
+    ms = 1e3 * np.asarray(times)
+    print(f"{name:>12}: step {np.median(ms):.1f} ms (quartiles {np.percentile(ms, 25):.1f}-"
+          f"{np.percentile(ms, 75):.1f}, {len(ms)} steps in {a.rounds} alternating rounds)")
 
 
 if __name__ == "__main__":
