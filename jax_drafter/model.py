@@ -8,10 +8,11 @@ Letters as in config.py: B, S, N, K, Q = N*K, D, F, Hq, Hkv, Dh, I.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.custom_derivatives import SymbolicZero
 
 from jax_drafter.config import DrafterConfig
 from pallas_kernels.dflash_attention.api import dflash_attention
@@ -30,7 +31,7 @@ def matmul(x, w):
   (`scripts/cpu_step_profile.py --compare-plain-matmul`, 2-core EPYC). Elsewhere (GPUs, where
   cuBLAS accumulates in f32 and writes bf16) it is `jnp.matmul`, unchanged."""
   if x.dtype == w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-    return _bf16_matmul(x, w)
+    return _bf16_matmul_cpu()(x, w)
   return jnp.matmul(x, w)
 
 
@@ -39,33 +40,36 @@ def _bf16_dot(a, b, contract):
                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-@jax.custom_vjp
-def _bf16_matmul(x, w):
-  return _bf16_dot(x, w, ((x.ndim - 1,), (0,)))
+@functools.cache
+def _bf16_matmul_cpu():
+  """The custom_vjp of `matmul` on a CPU, built on first use there only (a GPU never defines it)."""
+  from jax.custom_derivatives import SymbolicZero
 
+  @jax.custom_vjp
+  def f(x, w):
+    return _bf16_dot(x, w, ((x.ndim - 1,), (0,)))
 
-def _bf16_matmul_fwd(x, w):
-  # symbolic zeros: the primals say whether they are differentiated, so that no gradient is
-  # computed for an input nothing differentiates (the target features entering `fc`), as
-  # jnp.matmul's own transpose skips it. The flag travels as the residual's structure.
-  need = (() if x.perturbed else None, () if w.perturbed else None)
-  return _bf16_matmul(x.value, w.value), (x.value, w.value, need)
+  def fwd(x, w):
+    # symbolic zeros: the primals say whether they are differentiated, so that no gradient is
+    # computed for an input nothing differentiates (the target features entering `fc`), as
+    # jnp.matmul's own transpose skips it. The flags travel as the residual's structure.
+    need = (() if x.perturbed else None, () if w.perturbed else None)
+    return f(x.value, w.value), (x.value, w.value, need)
 
+  def bwd(res, g):
+    x, w, (need_x, need_w) = res
+    if isinstance(g, SymbolicZero):
+      return None, None
+    g = g.astype(jnp.bfloat16)
+    dx = _bf16_dot(g, w, ((g.ndim - 1,), (1,))) if need_x is not None else None
+    dw = None
+    if need_w is not None:
+      x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+      dw = _bf16_dot(x2, g2, ((0,), (0,)))
+    return dx, dw
 
-def _bf16_matmul_bwd(res, g):
-  x, w, (need_x, need_w) = res
-  if isinstance(g, SymbolicZero):
-    return None, None
-  g = g.astype(jnp.bfloat16)
-  dx = _bf16_dot(g, w, ((g.ndim - 1,), (1,))) if need_x is not None else None
-  dw = None
-  if need_w is not None:
-    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    dw = _bf16_dot(x2, g2, ((0,), (0,)))
-  return dx, dw
-
-
-_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd, symbolic_zeros=True)
+  f.defvjp(fwd, bwd, symbolic_zeros=True)
+  return f
 
 
 class Linear(nnx.Module):
