@@ -27,9 +27,9 @@ def matmul(x, w):
   to bfloat16: the same arithmetic (f32 accumulation, one rounding of the result) in another
   order of the sums. The weight gradient is written the same way, but XLA:CPU still upcasts it:
   its operands are contracted over their leading dimension (an explicit transpose behind an
-  optimization barrier did not change that). The CPU default's drafter step: 166.9 -> 145.1 ms
-  and 164.5 -> 137.0 ms in two runs (`scripts/cpu_step_profile.py --compare-plain-matmul`,
-  2-core EPYC). Elsewhere (GPUs, where
+  optimization barrier did not change that). The CPU default's drafter step, both forms timed in
+  one process on a 2-core EPYC: 166.9 -> 145.1 ms (`scripts/cpu_step_profile.py
+  --compare-plain-matmul`) and 164.5 -> 137.0 ms (the same loop, earlier). Elsewhere (GPUs, where
   cuBLAS accumulates in f32 and writes bf16) it is `jnp.matmul`, unchanged."""
   if x.dtype == w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
     return _bf16_matmul_cpu()(x, w)
