@@ -70,8 +70,11 @@ def prompts_key(fingerprint: str, s: PromptSettings) -> str:
 def chunk_key(fingerprint: str, s: PromptSettings) -> str:
   """Names a chunk: the target and every setting that changes a chunk's texts, not the count
   (chunk `start` of `n` rows is the same texts whatever the count)."""
-  settings = {k: v for k, v in asdict(s).items() if k != "count"}
-  return f"synthetic:{fingerprint}:{json.dumps(settings, sort_keys=True)}"
+  return f"synthetic:{fingerprint}:{json.dumps(_chunk_settings(s), sort_keys=True)}"
+
+
+def _chunk_settings(s: PromptSettings) -> dict:
+  return {k: v for k, v in asdict(s).items() if k != "count"}
 
 
 def synthesize(model, tokenizer, s: PromptSettings, *, fingerprint: str, cache_path: str,
@@ -144,7 +147,7 @@ def _read(path: Path, fingerprint: str, s: PromptSettings) -> dict[int, list]:
   """start -> texts of the cached chunks these settings use: of the right key and as many rows as
   the chunk at `start` has for `s.count`."""
   prefix = f"synthetic:{fingerprint}:"
-  mine = {k: v for k, v in asdict(s).items() if k != "count"}
+  mine = _chunk_settings(s)
   chunks = {}
 
   def ours(key):     # chunk_key, or prompts_key of any count (the older caches)
