@@ -11,6 +11,11 @@ shapes, no target: the median of --steps timed steps, then a JAX profiler trace 
 plain `jnp.matmul` (what XLA:CPU upcasts to float32 dots in bfloat16), in one process, in
 alternating rounds of --steps steps (steps of separate processes on a shared 2-core machine
 differ by 20% and more), and prints both medians instead of the profile.
+
+--compare-overrides "A" ["B" ...] times the step of the config (with the positional overrides)
+against the same step with each extra set of overrides (space-separated section.key=value, e.g.
+"train.num_anchors=64 train.dropout=0.2"), in one process and alternating rounds as above: what a
+change of recipe costs a step on this machine.
 """
 
 import argparse
@@ -39,7 +44,10 @@ def main():
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--top", type=int, default=15)
   ap.add_argument("--compare-plain-matmul", action="store_true")
-  ap.add_argument("--rounds", type=int, default=6, help="with --compare-plain-matmul")
+  ap.add_argument("--compare-overrides", nargs="+", metavar="OVERRIDES",
+                  help="time the step against the step with each of these sets of overrides")
+  ap.add_argument("--rounds", type=int, default=6,
+                  help="with --compare-plain-matmul or --compare-overrides")
   ap.add_argument("overrides", nargs="*", help="section.key=value, as for jax_drafter.train")
   a = ap.parse_args()
   cfg = load_config(a.config, a.overrides)
@@ -63,6 +71,8 @@ def main():
     frozen = with_draft_vocab(frozen, np.arange(d.draft_vocab_size, dtype=np.int32))
   if a.compare_plain_matmul:
     return compare_plain_matmul(d, t, opt, batch, frozen, a)
+  if a.compare_overrides:
+    return compare_overrides(cfg, batch, frozen, a)
   # Two untimed calls: the first compiles, and on XLA:CPU the second is still seconds slower
   # (no retrace: JAX_EXPLAIN_CACHE_MISSES shows one).
   state, times = timed_steps(fn, state, batch, frozen, steps=a.steps, warmup=2)
@@ -101,6 +111,37 @@ def compare_plain_matmul(d, t, opt, batch, frozen, a):
     ms = 1e3 * np.asarray(times)
     print(f"{name:>12}: step {np.median(ms):.1f} ms (quartiles {np.percentile(ms, 25):.1f}-"
           f"{np.percentile(ms, 75):.1f}, {len(ms)} steps in {a.rounds} alternating rounds)")
+
+
+def compare_overrides(cfg, batch, frozen, a):
+  """The configured step against the step of each --compare-overrides set (the same batch and
+  frozen weights: the sets may change the anchors, dropout, the drafter's depth, not the rows or
+  the draft vocabulary), compiled first, then timed in alternating rounds."""
+  rows = {}
+  for extra in [""] + list(a.compare_overrides):
+    c = load_config(a.config, list(a.overrides) + extra.split())
+    if (c.data.batch_size, c.data.seq_len, c.drafter.draft_vocab_size) != (
+        cfg.data.batch_size, cfg.data.seq_len, cfg.drafter.draft_vocab_size):
+      raise SystemExit(f"--compare-overrides {extra!r}: the rows and the draft vocabulary must stay "
+                       "those of the config (data.batch_size, data.seq_len, drafter.draft_vocab_size)")
+    d = resolve_drafter(c.drafter, SMOLLM2, mask_token_id=SMOLLM2.vocab_size - 1)
+    opt = step_lib.make_optimizer(c.train)
+    graphdef, state = step_lib.init_state(d, c.train, opt)
+    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, c.train, opt,
+                                                          _attn_impl(c.train)))
+    state, _ = timed_steps(fn, state, batch, frozen, steps=1, warmup=2)
+    rows[extra or "(the config)"] = [fn, state, []]
+  for _ in range(a.rounds):
+    for row in rows.values():
+      row[1], times = timed_steps(row[0], row[1], batch, frozen, steps=a.steps, warmup=0)
+      row[2].extend(times)
+  base = None
+  for name, (_, _, times) in rows.items():
+    ms = 1e3 * np.asarray(times)
+    base = base or np.median(ms)
+    print(f"{name:>40}: step {np.median(ms):.1f} ms ({np.median(ms) / base:.2f}x; quartiles "
+          f"{np.percentile(ms, 25):.1f}-{np.percentile(ms, 75):.1f}, {len(ms)} steps in "
+          f"{a.rounds} alternating rounds)")
 
 
 if __name__ == "__main__":

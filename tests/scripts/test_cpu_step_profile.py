@@ -23,3 +23,34 @@ def test_compare_plain_matmul_prints_both_steps(monkeypatch):
   assert model.matmul is ours
   assert [line.split(":")[0].strip() for line in lines] == ["jnp.matmul", "model.matmul"]
   assert all("4 steps in 2 alternating rounds" in line for line in lines)
+
+
+SMALL = ["data.seq_len=64", "data.batch_size=2", "train.num_anchors=4",
+         "train.compute_dtype=bfloat16", "drafter.draft_vocab_size=512"]
+
+
+def _run(monkeypatch, argv):
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import cpu_step_profile as prof
+  monkeypatch.setattr(sys, "argv", ["cpu_step_profile.py"] + argv)
+  lines = []
+  monkeypatch.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
+  prof.main()
+  return lines
+
+
+def test_compare_overrides_times_each_recipe(monkeypatch):
+  lines = _run(monkeypatch, ["--compare-overrides", "train.num_anchors=8 train.dropout=0.2",
+                             "--steps", "2", "--rounds", "2"] + SMALL)
+  assert [line.split(":")[0].strip() for line in lines] == [
+      "(the config)", "train.num_anchors=8 train.dropout=0.2"]
+  assert lines[0].split("step ")[1].split(" ms")[0]        # a time, then its ratio
+  assert "(1.00x;" in lines[0]
+  assert all("4 steps in 2 alternating rounds" in line for line in lines)
+
+
+def test_compare_overrides_refuses_other_rows(monkeypatch):
+  import pytest
+  with pytest.raises(SystemExit, match="data.batch_size, data.seq_len"):
+    _run(monkeypatch, ["--compare-overrides", "data.batch_size=3", "--steps", "1",
+                       "--rounds", "1"] + SMALL)
