@@ -15,7 +15,8 @@ differ by 20% and more), and prints both medians instead of the profile.
 --compare-overrides "A" ["B" ...] times the step of the config (with the positional overrides)
 against the same step with each extra set of overrides (space-separated section.key=value, e.g.
 "train.num_anchors=64 train.dropout=0.2"), in one process and alternating rounds as above: what a
-change of recipe costs a step on this machine.
+change of recipe costs a step on this machine. Give the positional overrides before it (or
+after another option): the sets take every argument that follows.
 """
 
 import argparse
@@ -115,15 +116,18 @@ def compare_plain_matmul(d, t, opt, batch, frozen, a):
 
 def compare_overrides(cfg, batch, frozen, a):
   """The configured step against the step of each --compare-overrides set (the same batch and
-  frozen weights: the sets may change the anchors, dropout, the drafter's depth, not the rows or
-  the draft vocabulary), compiled first, then timed in alternating rounds."""
+  frozen weights: the sets may change the anchors, dropout, the drafter's depth, not the rows,
+  the draft vocabulary or the compute dtype), compiled first, then timed in alternating rounds."""
   rows = {}
   for extra in [""] + list(a.compare_overrides):
     c = load_config(a.config, list(a.overrides) + extra.split())
-    if (c.data.batch_size, c.data.seq_len, c.drafter.draft_vocab_size) != (
-        cfg.data.batch_size, cfg.data.seq_len, cfg.drafter.draft_vocab_size):
-      raise SystemExit(f"--compare-overrides {extra!r}: the rows and the draft vocabulary must stay "
-                       "those of the config (data.batch_size, data.seq_len, drafter.draft_vocab_size)")
+    shared = lambda x: (x.data.batch_size, x.data.seq_len, x.drafter.draft_vocab_size,
+                        x.train.compute_dtype)
+    if shared(c) != shared(cfg):
+      raise SystemExit(f"--compare-overrides {extra!r}: the rows, the draft vocabulary and the "
+                       "compute dtype must stay those of the config (data.batch_size, "
+                       "data.seq_len, drafter.draft_vocab_size, train.compute_dtype: the arms "
+                       "share one batch and one set of frozen weights)")
     d = resolve_drafter(c.drafter, SMOLLM2, mask_token_id=SMOLLM2.vocab_size - 1)
     opt = step_lib.make_optimizer(c.train)
     graphdef, state = step_lib.init_state(d, c.train, opt)

@@ -49,8 +49,8 @@ def test_compare_overrides_times_each_recipe(monkeypatch):
   assert all("4 steps in 2 alternating rounds" in line for line in lines)
 
 
-def test_compare_overrides_refuses_other_rows(monkeypatch):
+def test_compare_overrides_refuses_what_the_arms_share(monkeypatch):
   import pytest
-  with pytest.raises(SystemExit, match="data.batch_size, data.seq_len"):
-    _run(monkeypatch, ["--compare-overrides", "data.batch_size=3", "--steps", "1",
-                       "--rounds", "1"] + SMALL)
+  for extra in ("data.batch_size=3", "train.compute_dtype=float32"):
+    with pytest.raises(SystemExit, match="data.batch_size, data.seq_len"):
+      _run(monkeypatch, ["--compare-overrides", extra, "--steps", "1", "--rounds", "1"] + SMALL)
