@@ -55,9 +55,6 @@ def main():
   t = cfg.train
   V, D = SMOLLM2.vocab_size, SMOLLM2.hidden_size
   d = resolve_drafter(cfg.drafter, SMOLLM2, mask_token_id=V - 1)
-  opt = step_lib.make_optimizer(t)
-  graphdef, state = step_lib.init_state(d, t, opt)
-  fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, t, opt, _attn_impl(t)))
   B, S, F = cfg.data.batch_size, cfg.data.seq_len, D * len(d.target_layer_ids)
   rng = np.random.default_rng(0)
   mask = rng.integers(0, 2, (1, B, S)).astype(np.int32)
@@ -71,9 +68,10 @@ def main():
   if d.draft_vocab_size:   # drafter.draft_vocab_size=N: the first N ids (a run ranks them by count)
     frozen = with_draft_vocab(frozen, np.arange(d.draft_vocab_size, dtype=np.int32))
   if a.compare_plain_matmul:
-    return compare_plain_matmul(d, t, opt, batch, frozen, a)
+    return compare_plain_matmul(d, t, batch, frozen, a)
   if a.compare_overrides:
-    return compare_overrides(cfg, batch, frozen, a)
+    return compare_overrides(cfg, d, batch, frozen, a)
+  fn, state = _build_step(d, t)
   # Two untimed calls: the first compiles, and on XLA:CPU the second is still seconds slower
   # (no retrace: JAX_EXPLAIN_CACHE_MISSES shows one).
   state, times = timed_steps(fn, state, batch, frozen, steps=a.steps, warmup=2)
@@ -91,50 +89,24 @@ def main():
     print(f"{us / 3e3:9.2f}   {name[:100]}")
 
 
-def compare_plain_matmul(d, t, opt, batch, frozen, a):
-  """The step as it is against the same step built with model.matmul = jnp.matmul: both
-  compiled first, then timed in alternating rounds; medians and quartiles over all rounds."""
-  ours, rows = model.matmul, {}
-  try:
-    for name, mm in (("jnp.matmul", jnp.matmul), ("model.matmul", ours)):
-      model.matmul = mm   # read when the step is traced, which the warm-up call does
-      graphdef, state = step_lib.init_state(d, t, opt)
-      fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, t, opt, _attn_impl(t)))
-      state, _ = timed_steps(fn, state, batch, frozen, steps=1, warmup=2)
-      rows[name] = [fn, state, []]
-  finally:
-    model.matmul = ours
-  for _ in range(a.rounds):
-    for row in rows.values():
-      row[1], times = timed_steps(row[0], row[1], batch, frozen, steps=a.steps, warmup=0)
-      row[2].extend(times)
-  for name, (_, _, times) in rows.items():
-    ms = 1e3 * np.asarray(times)
-    print(f"{name:>12}: step {np.median(ms):.1f} ms (quartiles {np.percentile(ms, 25):.1f}-"
-          f"{np.percentile(ms, 75):.1f}, {len(ms)} steps in {a.rounds} alternating rounds)")
+def _build_step(d, t):
+  """The jitted train step of drafter config d and train section t, and its initial state."""
+  opt = step_lib.make_optimizer(t)
+  graphdef, state = step_lib.init_state(d, t, opt)
+  return step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, t, opt, _attn_impl(t))), state
 
 
-def compare_overrides(cfg, batch, frozen, a):
-  """The configured step against the step of each --compare-overrides set (the same batch and
-  frozen weights: the sets may change the anchors, dropout, the drafter's depth, not the rows,
-  the draft vocabulary or the compute dtype), compiled first, then timed in alternating rounds."""
-  rows = {}
-  for extra in [""] + list(a.compare_overrides):
-    c = load_config(a.config, list(a.overrides) + extra.split())
-    shared = lambda x: (x.data.batch_size, x.data.seq_len, x.drafter.draft_vocab_size,
-                        x.train.compute_dtype)
-    if shared(c) != shared(cfg):
-      raise SystemExit(f"--compare-overrides {extra!r}: the rows, the draft vocabulary and the "
-                       "compute dtype must stay those of the config (data.batch_size, "
-                       "data.seq_len, drafter.draft_vocab_size, train.compute_dtype: the arms "
-                       "share one batch and one set of frozen weights)")
-    d = resolve_drafter(c.drafter, SMOLLM2, mask_token_id=SMOLLM2.vocab_size - 1)
-    opt = step_lib.make_optimizer(c.train)
-    graphdef, state = step_lib.init_state(d, c.train, opt)
-    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, d, c.train, opt,
-                                                          _attn_impl(c.train)))
-    state, _ = timed_steps(fn, state, batch, frozen, steps=1, warmup=2)
-    rows[extra or "(the config)"] = [fn, state, []]
+def _compiled(d, t, batch, frozen):
+  """[step, state, []] after two untimed calls (the first compiles; see main)."""
+  fn, state = _build_step(d, t)
+  state, _ = timed_steps(fn, state, batch, frozen, steps=1, warmup=2)
+  return [fn, state, []]
+
+
+def _alternate(rows: dict, batch, frozen, a) -> None:
+  """Times the compiled steps of `rows` (name -> _compiled(...)) in a.rounds alternating rounds
+  of a.steps steps each, then prints each one's median, its ratio to the first row's and its
+  quartiles over all rounds."""
   for _ in range(a.rounds):
     for row in rows.values():
       row[1], times = timed_steps(row[0], row[1], batch, frozen, steps=a.steps, warmup=0)
@@ -146,6 +118,38 @@ def compare_overrides(cfg, batch, frozen, a):
     print(f"{name:>40}: step {np.median(ms):.1f} ms ({np.median(ms) / base:.2f}x; quartiles "
           f"{np.percentile(ms, 25):.1f}-{np.percentile(ms, 75):.1f}, {len(ms)} steps in "
           f"{a.rounds} alternating rounds)")
+
+
+def compare_plain_matmul(d, t, batch, frozen, a):
+  """The step built with model.matmul = jnp.matmul against the step as it is."""
+  ours, rows = model.matmul, {}
+  try:
+    for name, mm in (("jnp.matmul", jnp.matmul), ("model.matmul", ours)):
+      model.matmul = mm   # read when the step is traced, which the first call does
+      rows[name] = _compiled(d, t, batch, frozen)
+  finally:
+    model.matmul = ours
+  _alternate(rows, batch, frozen, a)
+
+
+def compare_overrides(cfg, d, batch, frozen, a):
+  """The configured step against the step of each --compare-overrides set. The arms share the
+  batch and the frozen weights: a set may change the anchors, dropout or the drafter's depth,
+  not the rows, the target features, the draft vocabulary or the compute dtype."""
+  shared = lambda c, dc: (c.data.batch_size, c.data.seq_len, len(dc.target_layer_ids),
+                          c.drafter.draft_vocab_size, c.train.compute_dtype)
+  rows = {"(the config)": _compiled(d, cfg.train, batch, frozen)}
+  for extra in a.compare_overrides:
+    c = load_config(a.config, list(a.overrides) + extra.split())
+    dc = resolve_drafter(c.drafter, SMOLLM2, mask_token_id=SMOLLM2.vocab_size - 1)
+    if shared(c, dc) != shared(cfg, d):
+      raise SystemExit(f"--compare-overrides {extra!r}: the rows, the target features, the draft "
+                       "vocabulary and the compute dtype must stay those of the config "
+                       "(data.batch_size, data.seq_len, the target layers, "
+                       "drafter.draft_vocab_size, train.compute_dtype: the arms share one batch "
+                       "and one set of frozen weights)")
+    rows[extra] = _compiled(dc, c.train, batch, frozen)
+  _alternate(rows, batch, frozen, a)
 
 
 if __name__ == "__main__":
