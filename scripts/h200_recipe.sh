@@ -43,7 +43,13 @@
 # timed on all 64 too: ~3 minutes with start-up, benchmarks/h200-2026-12-04k-caches-per-prompt;
 # earlier runs took the first 32, `jax_drafter.tools.compare --first 32` pairs the two), LIMIT (the call's seconds,
 # default 580), ARMS ("name:overrides;name:overrides": launch runs the pipeline once per arm, in
-# order, with BUDGET_S per arm; logs come back in arm-NAME/).
+# order, with BUDGET_S per arm; logs come back in arm-NAME/), CONFIG (the config the pipeline
+# runs, default configs/smollm2-h200.yaml). With CONFIG=configs/smollm2.yaml the arms are the CPU
+# default's recipe on the GPU, where one arm takes ~13 minutes on 2 CPU cores (not yet run on a
+# GPU: its shapes are tiny, so an arm should take a few minutes there, start-up included). A lever
+# can then be judged over seeds in one chain, e.g. ARMS="d0:train.seed=0;d1:train.seed=1;x0:LEVER train.seed=0;x1:LEVER
+# train.seed=1" EVAL_ARGS="--num-prompts 32 --max-new-tokens 64 --speed-prompts 0". The GPU rounds
+# otherwise than the CPU, so such arms compare with each other, not with CPU runs.
 # The machine is released 30 s after a call ends: issue each next call at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +67,7 @@ RUN=$D/runs/${ARM:-recipe}
 [ -n "${ARM:-}" ] || [ -z "${EXTRA:-}" ] || RUN=$RUN-$(printf %s "$EXTRA" | sha256sum | cut -c1-8)
 DONE=${DONE_FILE:-$D/DONE}
 LOGS="pipeline.log regen.log regen.json train.log eval.log eval.json metrics.jsonl"  # one launch's, in $L
-COMMON=(--config configs/smollm2-h200.yaml "target.path=$D/smollm2" "target.gguf_file=$GGUF"
+COMMON=(--config "${CONFIG:-configs/smollm2-h200.yaml}" "target.path=$D/smollm2" "target.gguf_file=$GGUF"
         "data.path=$D/sharegpt_user_turns.jsonl" "data.cache_dir=$D/cache" "train.output_dir=$RUN")
 left() { echo $(( ${LIMIT:-580} - ($(date +%s) - T0) )); }
 held_out_eval() {  # jax_drafter.evaluate's arguments choosing the drafter -> $L/eval.{json,log}
@@ -166,7 +172,7 @@ case "${1:-}" in
     rm -rf "$D/src" "$D/DONE" && mkdir -p "$D/src"   # the code the pipeline runs, fixed at launch
     cp -r bridge jax_drafter pallas_kernels configs scripts pyproject.toml "$D/src/"
     mode=pipeline; [ -z "${ARMS:-}" ] || mode=arms; [ "$1" = launch ] || mode=eval-restored
-    EXTRA=${EXTRA:-} BUDGET_S=${BUDGET_S:-1140} EVAL_ARGS=${EVAL_ARGS:-} ARMS=${ARMS:-} \
+    EXTRA=${EXTRA:-} BUDGET_S=${BUDGET_S:-1140} EVAL_ARGS=${EVAL_ARGS:-} ARMS=${ARMS:-} CONFIG=${CONFIG:-} \
         setsid nohup bash "$D/src/scripts/h200_recipe.sh" $mode \
         > "$L/pipeline.log" 2>&1 < /dev/null &
     sleep 2; watch ;;
