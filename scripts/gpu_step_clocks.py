@@ -21,7 +21,6 @@ import os
 import statistics
 import threading
 import time
-import types
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -136,9 +135,7 @@ def main():
 
   import jax
   import jax.numpy as jnp
-  from jax_drafter import step as step_lib
-  from jax_drafter import presets
-  from jax_drafter.tools import bench, bench_workers, plans
+  from jax_drafter.tools import bench_workers
 
   nvml = Nvml(0)
   sampler = Sampler(nvml, a.interval_ms / 1e3)
@@ -166,12 +163,7 @@ def main():
       r["tflops"] = reps * 2 * n ** 3 / (r["ms"] / 1e3) / 1e12
     report["matmul"] = rows
 
-  ce_chunk = presets.RUNS[a.case].ce_chunk or bench.CE_CHUNK   # as the bench's JAX row
-  args = types.SimpleNamespace(case=[a.case], ce_chunk=ce_chunk, remat="none", attention=None)
-  plan = bench_workers.plan_of(args, on_cpu=False)
-  graphdef, state, batch, frozen = plans.random_inputs(plan)
-  fn = step_lib.jit_train_step(step_lib.make_train_step(
-      graphdef, plan.cfg, plan.train, step_lib.make_optimizer(plan.train), plan.attn_impl))
+  _, fn, state, batch, frozen = bench_workers.jax_row(bench_workers.case_plan(a.case, on_cpu=False))
   holder = {"state": state}
 
   def one():

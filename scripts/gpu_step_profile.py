@@ -21,15 +21,13 @@ import os
 import re
 import statistics
 import time
-import types
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
 from jax_drafter import presets  # noqa: E402
-from jax_drafter import step as step_lib  # noqa: E402
-from jax_drafter.tools import bench, bench_workers, plans  # noqa: E402
+from jax_drafter.tools import bench, bench_workers  # noqa: E402
 from pallas_kernels.timing import timed_steps, traced_steps  # noqa: E402
 
 CLASSES = (   # first match wins; kernel names as CUDA / XLA give them
@@ -82,14 +80,10 @@ def main():
   ap.add_argument("--hlo-out", default=None)
   a = ap.parse_args()
 
-  ce_chunk = presets.RUNS[a.case].ce_chunk or bench.CE_CHUNK
-  args = types.SimpleNamespace(case=[a.case], ce_chunk=ce_chunk, remat="none",
-                               attention=a.attention)
-  plan = bench_workers.plan_of(args, on_cpu=jax.default_backend() == "cpu")
+  plan = bench_workers.case_plan(a.case, on_cpu=jax.default_backend() == "cpu",
+                                 attention=a.attention)
   t = plan.train
-  graphdef, state, batch, frozen = plans.random_inputs(plan)
-  fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, plan.cfg, t,
-                                                        step_lib.make_optimizer(t), plan.attn_impl))
+  _, fn, state, batch, frozen = bench_workers.jax_row(plan)
   t0 = time.perf_counter()
   fn = fn.lower(state, batch, frozen).compile()   # one compile, its HLO and its calls
   first = time.perf_counter() - t0

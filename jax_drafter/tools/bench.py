@@ -80,8 +80,13 @@ ROWS = ("jax", "pytorch-trainers", "pytorch-best")
 LOSS_RTOL = {"float32": 1e-5, "bfloat16": 1e-4}
 
 
+def case_ce_chunk(case: str, ce_chunk: int | None = None) -> int:
+  """The LM-head chunk a case's rows run: the one asked for, else the run's, else CE_CHUNK."""
+  return ce_chunk or presets.RUNS[case].ce_chunk or CE_CHUNK
+
+
 def _worker_cmd(side: str, case: str, args) -> list[str]:
-  ce_chunk = args.ce_chunk or presets.RUNS[case].ce_chunk or CE_CHUNK
+  ce_chunk = case_ce_chunk(case, args.ce_chunk)
   cmd = [sys.executable, "-m", "jax_drafter.tools.bench", "--worker", "--side", side, "--case",
          case, "--steps", str(args.steps), "--ce-chunk", str(ce_chunk), "--remat", args.remat]
   if side == "jax" and args.attention:

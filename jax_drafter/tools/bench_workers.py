@@ -13,6 +13,7 @@ import json
 import re
 import statistics
 import time
+import types
 
 from jax_drafter import presets
 from jax_drafter.tools import plans
@@ -33,6 +34,27 @@ def plan_of(args, on_cpu: bool) -> plans.Plan:
                     name=args.case[0])
 
 
+def case_plan(case: str, *, on_cpu: bool, attention: str | None = None) -> plans.Plan:
+  """The Plan of a bench case's JAX row with the bench's defaults (its LM-head chunk, no remat):
+  what the GPU scripts that rebuild that row (gpu_step_profile, gpu_step_clocks) run."""
+  from jax_drafter.tools.bench import case_ce_chunk
+  args = types.SimpleNamespace(case=[case], ce_chunk=case_ce_chunk(case), remat="none",
+                               attention=attention)
+  return plan_of(args, on_cpu)
+
+
+def jax_row(plan: plans.Plan):
+  """(graphdef, jitted train step, state, batch, frozen) of the bench's JAX row for `plan`:
+  plans.random_inputs' weights and batch, the optimizer and attention of the plan."""
+  from jax_drafter import step as step_lib
+  graphdef, state, batch, frozen = plans.random_inputs(plan)
+  t = plan.train
+  fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, plan.cfg, t,
+                                                        step_lib.make_optimizer(t),
+                                                        plan.attn_impl))
+  return graphdef, fn, state, batch, frozen
+
+
 def _failed_alloc(msg: str) -> str | None:
   m = re.search(r"(?:allocate|allocating)\D{0,20}([\d.]+\s*[KMGT]i?B|\d+ bytes)", msg)
   return m.group(1) if m else None
@@ -45,7 +67,6 @@ def _emit(result: dict) -> int:
 
 def jax_worker(args) -> int:
   import jax
-  from jax_drafter import step as step_lib
 
   on_cpu = jax.default_backend() == "cpu"
   result = {"status": "ok", "backend": jax.default_backend(), "device": str(jax.devices()[0])}
@@ -53,13 +74,10 @@ def jax_worker(args) -> int:
     plan = plan_of(args, on_cpu)
     t = plan.train
     result["compute_dtype"] = t.compute_dtype
-    graphdef, state, batch, frozen = plans.random_inputs(plan)
+    graphdef, fn, state, batch, frozen = jax_row(plan)
     cats = plans.categories(state, batch, frozen)
     # Parameters, their gradients (as large), optimizer state, frozen weights: as bench_torch.
     fixed = (2 * cats["parameters"] + cats["optimizer state"] + cats["frozen embed + LM head"])
-    fn = step_lib.jit_train_step(step_lib.make_train_step(graphdef, plan.cfg, t,
-                                                          step_lib.make_optimizer(t),
-                                                          plan.attn_impl))
     t0 = time.perf_counter()
     state, m = fn(state, batch, frozen)
     jax.block_until_ready(m)

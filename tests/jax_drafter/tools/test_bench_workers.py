@@ -66,3 +66,18 @@ def test_shifted_anchors_move_every_valid_anchor():
   plan = _plan()
   inputs = bench_workers.torch_inputs(plan, steps=0, shift=1)
   _check_equal(inputs, plan, steps=0, shift=1)
+
+
+def test_case_plan_takes_the_bench_s_chunk_and_jax_row_trains_it():
+  """The plan the GPU scripts rebuild is the bench's: the run's own LM-head chunk where it sets one
+  (the SmolLM2 cases: 8192), else the bench's default; and jax_row's step trains on its inputs."""
+  import jax
+  from jax_drafter.tools import bench
+  assert bench_workers.case_plan("smol-2k-a512", on_cpu=True).train.ce_chunk_size == 8192
+  plan = bench_workers.case_plan("tiny", on_cpu=True)
+  assert plan.train.ce_chunk_size == bench.CE_CHUNK and plan.train.remat == "none"
+  _, fn, state, batch, frozen = bench_workers.jax_row(plan)
+  _, want_batch, _ = plans.random_inputs(plan)[1:]
+  np.testing.assert_array_equal(np.asarray(batch["input_ids"]), np.asarray(want_batch["input_ids"]))
+  state, m = fn(state, batch, frozen)
+  assert int(state.step) == 1 and np.isfinite(float(jax.device_get(m["loss"])))
