@@ -61,10 +61,12 @@ T0=$(date +%s)
 export PYTHONPATH=/tmp/site:$D/src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false HF_HUB_OFFLINE=1
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 RUN=$D/runs/${ARM:-recipe}
-# A launch with other EXTRA overrides on a machine still warm from an earlier one trains a run of
-# its own (the trainer refuses a run directory holding another architecture); the same EXTRA again
-# resumes its run from the last checkpoint.
-[ -n "${ARM:-}" ] || [ -z "${EXTRA:-}" ] || RUN=$RUN-$(printf %s "$EXTRA" | sha256sum | cut -c1-8)
+# A launch with another CONFIG or other EXTRA overrides on a machine still warm from an earlier one
+# trains a run of its own (the trainer refuses a run directory holding another architecture, and
+# would resume one of the same architecture); the same CONFIG and EXTRA again resume their run from
+# the last checkpoint. (The default config's key is EXTRA alone, as before CONFIG existed.)
+KEY="${CONFIG:+$CONFIG }${EXTRA:-}"
+[ -n "${ARM:-}" ] || [ -z "$KEY" ] || RUN=$RUN-$(printf %s "$KEY" | sha256sum | cut -c1-8)
 DONE=${DONE_FILE:-$D/DONE}
 LOGS="pipeline.log regen.log regen.json train.log eval.log eval.json metrics.jsonl"  # one launch's, in $L
 COMMON=(--config "${CONFIG:-configs/smollm2-h200.yaml}" "target.path=$D/smollm2" "target.gguf_file=$GGUF"
