@@ -45,11 +45,12 @@
 # default 580), ARMS ("name:overrides;name:overrides": launch runs the pipeline once per arm, in
 # order, with BUDGET_S per arm; logs come back in arm-NAME/), CONFIG (the config the pipeline
 # runs, default configs/smollm2-h200.yaml). With CONFIG=configs/smollm2.yaml the arms are the CPU
-# default's recipe on the GPU, where one arm takes ~13 minutes on 2 CPU cores (not yet run on a
-# GPU: its shapes are tiny, so an arm should take a few minutes there, start-up included). A lever
-# can then be judged over seeds in one chain, e.g. ARMS="d0:train.seed=0;d1:train.seed=1;x0:LEVER train.seed=0;x1:LEVER
-# train.seed=1" EVAL_ARGS="--num-prompts 32 --max-new-tokens 64 --speed-prompts 0". The GPU rounds
-# otherwise than the CPU, so such arms compare with each other, not with CPU runs.
+# default's recipe on the GPU: ~150 s an arm on an H100, start-up and evaluation included, where one
+# arm takes ~13 minutes on 2 CPU cores. A lever can then be judged over seeds in one chain, e.g.
+# ARMS="d0:data.held_out=64 train.seed=0;x0:data.held_out=64 LEVER train.seed=0;d1:..." EVAL_ARGS="--num-prompts 64
+# --max-new-tokens 64 --speed-prompts 0". The GPU rounds otherwise than the CPU, so such arms compare
+# with each other, not with CPU runs; they reproduced the CPU's +0.05 of 64 anchors + dropout over
+# three seeds (benchmarks/h100-2026-12-07g-cpu-levers-on-gpu).
 # The machine is released 30 s after a call ends: issue each next call at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
