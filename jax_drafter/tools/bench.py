@@ -39,10 +39,10 @@ import numpy as np
 from jax_drafter import presets
 from jax_drafter.checkpoint import save_json
 from jax_drafter.tools import plans
+from jax_drafter.tools.bench_workers import CE_CHUNK, case_ce_chunk
 from pallas_kernels.dflash_attention.reference import visible_pairs
 
 H200_BF16_PEAK = 989e12
-CE_CHUNK = 2048   # block tokens per LM-head chunk where neither --ce-chunk nor the run sets one
 
 
 def model_flops(cfg, S: int, N: int, B: int) -> dict[str, float]:
@@ -78,11 +78,6 @@ ROWS = ("jax", "pytorch-trainers", "pytorch-best")
 # 27b-8k (two independent means of ~1.1e4 effective rows' CE, per-row std ~1.4, over ~12.9): caught
 # about 19 times in 20 there; at the tiny CPU case it moved the loss by 2.3e-3, 230x the f32 tolerance.
 LOSS_RTOL = {"float32": 1e-5, "bfloat16": 1e-4}
-
-
-def case_ce_chunk(case: str, ce_chunk: int | None = None) -> int:
-  """The LM-head chunk a case's rows run: the one asked for, else the run's, else CE_CHUNK."""
-  return ce_chunk or presets.RUNS[case].ce_chunk or CE_CHUNK
 
 
 def _worker_cmd(side: str, case: str, args) -> list[str]:

@@ -13,7 +13,6 @@ import json
 import re
 import statistics
 import time
-import types
 
 from jax_drafter import presets
 from jax_drafter.tools import plans
@@ -21,26 +20,34 @@ from jax_drafter.tools import plans
 GiB = 2 ** 30
 
 
-def plan_of(args, on_cpu: bool) -> plans.Plan:
-  """The case's Plan as the JAX row trains it (f32 on the CPU, bf16 on a GPU)."""
+# Block tokens per LM-head chunk where neither --ce-chunk nor the run sets one.
+CE_CHUNK = 2048
+
+
+def case_ce_chunk(case: str, ce_chunk: int | None = None) -> int:
+  """The LM-head chunk a case's rows run: the one asked for, else the run's, else CE_CHUNK."""
+  return ce_chunk or presets.RUNS[case].ce_chunk or CE_CHUNK
+
+
+def case_plan(case: str, *, on_cpu: bool, ce_chunk: int | None = None, remat: str = "none",
+              attention: str | None = None) -> plans.Plan:
+  """The case's Plan as the bench's JAX row trains it (f32 on the CPU, bf16 on a GPU), with the
+  bench's defaults where not given (case_ce_chunk, no remat): also what the GPU scripts that
+  rebuild that row (gpu_step_profile, gpu_step_clocks) run."""
   from jax_drafter.config import TrainSection
-  r = presets.RUNS[args.case[0]]
-  t = TrainSection(steps=1000, num_anchors=r.anchors, ce_chunk_size=args.ce_chunk,
-                   remat=args.remat, compute_dtype="float32" if on_cpu else "bfloat16",
-                   attention=args.attention)
+  r = presets.RUNS[case]
+  t = TrainSection(steps=1000, num_anchors=r.anchors, ce_chunk_size=case_ce_chunk(case, ce_chunk),
+                   remat=remat, compute_dtype="float32" if on_cpu else "bfloat16",
+                   attention=attention)
   return plans.Plan(presets.get(r.arch), t, r.batch, r.seq_len,
                     feature_dtype="float32" if on_cpu else "bfloat16",
-                    attn_impl={"implementation": args.attention} if args.attention else None,
-                    name=args.case[0])
+                    attn_impl={"implementation": attention} if attention else None, name=case)
 
 
-def case_plan(case: str, *, on_cpu: bool, attention: str | None = None) -> plans.Plan:
-  """The Plan of a bench case's JAX row with the bench's defaults (its LM-head chunk, no remat):
-  what the GPU scripts that rebuild that row (gpu_step_profile, gpu_step_clocks) run."""
-  from jax_drafter.tools.bench import case_ce_chunk
-  args = types.SimpleNamespace(case=[case], ce_chunk=case_ce_chunk(case), remat="none",
-                               attention=attention)
-  return plan_of(args, on_cpu)
+def plan_of(args, on_cpu: bool) -> plans.Plan:
+  """case_plan of a worker's parsed arguments (--case, --ce-chunk, --remat, --attention)."""
+  return case_plan(args.case[0], on_cpu=on_cpu, ce_chunk=args.ce_chunk, remat=args.remat,
+                   attention=args.attention)
 
 
 def jax_row(plan: plans.Plan):
