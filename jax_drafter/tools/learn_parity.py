@@ -108,6 +108,11 @@ def load(args):
     from jax_drafter.config import ConfigError
     raise ConfigError("the PyTorch reference drafter drafts from the whole vocabulary: compare with "
                       "drafter.draft_vocab_size=null")
+  if cfg.train.dropout:
+    from jax_drafter.config import ConfigError
+    raise ConfigError(f"train.dropout={cfg.train.dropout}: the two sides would drop different "
+                      "values (the PyTorch reference drafter has no dropout): compare with "
+                      "train.dropout=0")
   return cfg
 
 

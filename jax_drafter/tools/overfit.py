@@ -18,7 +18,8 @@ re-encoding is not the identity (SmolLM2 writes "\\n\\n" as one token, 1116, whi
 as two 198s), and a drafter that memorised a re-encoded answer drafts every token after the split
 one position late (tau 2.8 of 16 in tests/jax_drafter/tools/test_overfit.py).
 The row is sized to the conversation (data.seq_len is not used); the drafter architecture and the
-optimiser come from the run config, the schedule (steps, warmup, anchors) from the gate. The target
+optimiser come from the run config, the schedule (steps, warmup, anchors) from the gate, which also
+trains without the config's dropout (it memorises on purpose). The target
 runs in float32 unless the config names its dtype (a target.dtype of "auto" becomes float32): in
 bfloat16, decoding's KV-cached features differ from the training row's whole-row forward by ~1%
 (median, SmolLM2 layer 15), and a drafter that memorised one row's exact features fails on that
@@ -190,8 +191,11 @@ def run_gate(target, dcfg: DrafterConfig, train: TrainSection, prompt_ids: list[
       objective.anchor_candidates(rows["loss_mask"], rows["doc_id"]))[0])[0]
   cand = len(candidates)
   N = min(num_anchors or cand, S)
+  # Dropout is off: the gate memorises one row on purpose, and a regulariser against memorising
+  # would only make it take longer (the config's dropout is for generalising to other prompts).
   t = dataclasses.replace(train, steps=steps, num_anchors=N, grad_accum=1, eval_every=0,
-                          eval_prompts=0, warmup_steps=min(train.warmup_steps, steps // 10))
+                          eval_prompts=0, warmup_steps=min(train.warmup_steps, steps // 10),
+                          dropout=0.0)
   log.info("overfit gate: %s: %d prompt + %d answer tokens in a row of %d; %d anchor candidates, "
            "%d anchors a step, %d steps at lr %.1e (answer generated in %.1f s)", source,
            len(prompt_ids), len(answer_ids), S, cand, N, steps, t.learning_rate, time.time() - t0)

@@ -66,6 +66,18 @@ def test_a_different_learning_rate_on_one_side_fails(learnable_target_dir, share
   assert "learn-parity: FAIL" in out and "loss curve" in out
 
 
+@pytest.mark.parametrize("override, fix", [("train.dropout=0.2", "train.dropout=0"),
+                                           ("drafter.draft_vocab_size=64",
+                                            "drafter.draft_vocab_size=null")])
+def test_what_the_reference_drafter_cannot_do_is_refused(tiny_target_dir, sharegpt_sample,
+                                                         override, fix, capsys):
+  # Dropout draws its masks on each side's own generator, and the reference drafts from the whole
+  # vocabulary: both would only show up as a FAIL of the curves, so they stop at the config.
+  rc = learn_parity.main(_args(tiny_target_dir, sharegpt_sample, "--set", override, "--steps", "2"))
+  assert rc == 2
+  assert fix in capsys.readouterr().err
+
+
 def test_smoothed_difference_is_a_trailing_mean():
   a, b = [1.0, 3.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0]
   got = learn_parity.smoothed_rel_diff(a, b, 2)

@@ -114,6 +114,20 @@ def test_a_reduced_draft_vocabulary_memorises_and_drafts_back_too(smol):
   assert report["passed"] and report["lossless"] is True and report["tau"] >= 15.0
 
 
+def test_the_gate_trains_without_the_configs_dropout(smol, monkeypatch):
+  cfg, target, dcfg, prompt_ids, _ = smol
+  seen = []
+
+  def stop(graphdef, dcfg, t, *a, **kw):
+    seen.append(t)
+    raise overfit.GateError("stopped by the test")
+  monkeypatch.setattr(overfit.step_lib, "make_train_step", stop)
+  with pytest.raises(overfit.GateError, match="stopped by the test"):
+    overfit.run_gate(target, dcfg, dataclasses.replace(cfg.train, dropout=0.3), prompt_ids,
+                     steps=STEPS, max_new_tokens=MAX_NEW_TOKENS, num_anchors=ANCHORS)
+  assert seen[0].dropout == 0.0 and seen[0].learning_rate == cfg.train.learning_rate
+
+
 def test_default_prompt_is_the_first_usable_conversation(smol):
   cfg, target, _, _, _ = smol
   ids, source = overfit.choose_prompt(cfg, target.tokenizer, max_tokens=1024)
