@@ -123,7 +123,8 @@ def train_overrides(args, target_dir: str, dtype: str) -> list[str]:
           f"drafter.layer_types=[{', '.join(['full_attention'] * args.drafter_layers)}]",
           "drafter.block_size=16",
           f"train.num_anchors={args.anchors}", f"train.steps={args.steps}",
-          f"train.compute_dtype={dtype}", "train.checkpoint_every=100000",
+          f"train.compute_dtype={dtype}", "train.dropout=0",   # the step the table measured
+          "train.checkpoint_every=100000",
           "train.log_every=50", "train.tensorboard=false", "train.eval_prompts=0"]
 
 

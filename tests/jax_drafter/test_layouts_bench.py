@@ -24,3 +24,4 @@ def test_every_layout_gets_a_valid_config(tmp_path, layers):
     d = resolve_drafter(cfg.drafter, info, mask_token_id=0)
     assert d.num_hidden_layers == layers and len(d.layer_types) == layers
     assert cfg.data.seq_len == 512 and cfg.data.path == "rows.jsonl"
+    assert cfg.train.dropout == 0.0     # the default's dropout would change the step it times
