@@ -94,8 +94,10 @@ def parse(argv):
 
 
 def load(args):
-  """-> the RunConfig with the CLI's overrides (--steps, --device) applied last."""
-  from jax_drafter.config import load_config
+  """-> the RunConfig with the CLI's overrides (--steps, --device) applied last; what the PyTorch
+  reference drafter cannot do (a reduced draft vocabulary, dropout) is a ConfigError naming the
+  override that compares."""
+  from jax_drafter.config import ConfigError, load_config
   overrides = list(args.overrides) + list(args.more)
   if args.steps is not None:
     overrides.append(f"train.steps={args.steps}")
@@ -105,11 +107,9 @@ def load(args):
     overrides.append("target.device=cuda")         # a configured cuda:N is kept
   cfg = load_config(args.config, overrides)
   if cfg.drafter.draft_vocab_size is not None:
-    from jax_drafter.config import ConfigError
     raise ConfigError("the PyTorch reference drafter drafts from the whole vocabulary: compare with "
                       "drafter.draft_vocab_size=null")
   if cfg.train.dropout:
-    from jax_drafter.config import ConfigError
     raise ConfigError(f"train.dropout={cfg.train.dropout}: the two sides would drop different "
                       "values (the PyTorch reference drafter has no dropout): compare with "
                       "train.dropout=0")

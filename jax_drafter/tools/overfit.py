@@ -19,12 +19,12 @@ as two 198s), and a drafter that memorised a re-encoded answer drafts every toke
 one position late (tau 2.8 of 16 in tests/jax_drafter/tools/test_overfit.py).
 The row is sized to the conversation (data.seq_len is not used); the drafter architecture and the
 optimiser come from the run config, the schedule (steps, warmup, anchors) from the gate, which also
-trains without the config's dropout (it memorises on purpose). The target
-runs in float32 unless the config names its dtype (a target.dtype of "auto" becomes float32): in
-bfloat16, decoding's KV-cached features differ from the training row's whole-row forward by ~1%
-(median, SmolLM2 layer 15), and a drafter that memorised one row's exact features fails on that
-difference alone (the default config: tau 1.1 of 16, every miss drafted right when replayed on the
-row's own features), which is not what the gate tests.
+trains without the config's dropout (it memorises on purpose). The target runs in float32 unless
+the config names its dtype (a target.dtype of "auto" becomes float32): in bfloat16, decoding's
+KV-cached features differ from the training row's whole-row forward by ~1% (median, SmolLM2 layer
+15), and a drafter that memorised one row's exact features fails on that difference alone (the
+default config: tau 1.1 of 16, every miss drafted right when replayed on the row's own features),
+which is not what the gate tests.
 """
 
 from __future__ import annotations
