@@ -94,9 +94,9 @@ def parse(argv):
 
 
 def load(args):
-  """-> the RunConfig with the CLI's overrides (--steps, --device) applied last; what the PyTorch
-  reference drafter cannot do (a reduced draft vocabulary, dropout) is a ConfigError naming the
-  override that compares."""
+  """-> the RunConfig with the CLI's overrides (--steps, --device) applied last. What the PyTorch
+  reference drafter cannot do (a reduced draft vocabulary, dropout) is a ConfigError that names
+  the override to compare with."""
   from jax_drafter.config import ConfigError, load_config
   overrides = list(args.overrides) + list(args.more)
   if args.steps is not None:
