@@ -107,8 +107,13 @@ def resolve(args):
       raise ConfigError(f"{args.config}: a run config does not fix the drafter's shapes on its own "
                         "(they come from the target); pass --run-dir or --zlab with it")
   # The schedule keeps the run's horizon (t.steps): --steps only says how many steps to compare.
-  t = dataclasses.replace(t, compute_dtype=args.dtype,
-                          num_anchors=args.num_anchors or N)
+  # Dropout is off: the PyTorch reference drafter has none, and parity compares the step's
+  # arithmetic on one batch (learn_parity, which takes overrides, refuses it instead).
+  if t.dropout:
+    _progress(f"train.dropout={t.dropout} of {args.config} is off here: the PyTorch reference "
+              "drafter has no dropout")
+  t = dataclasses.replace(t, compute_dtype=args.dtype, num_anchors=args.num_anchors or N,
+                          dropout=0.0)
   return cfg, t, args.batch or B, args.seq_len or S
 
 
