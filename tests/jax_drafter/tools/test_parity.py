@@ -42,8 +42,6 @@ def test_flex_on_cpu_is_refused():
   assert parity.main(["--steps", "0", "--torch-attention", "flex"]) == 2
 
 
-
-
 def test_a_run_configs_dropout_is_off(tmp_path, capsys):
   # A run config (the default's has dropout 0.2) drives the real train step, which would drop on
   # the JAX side only: the trajectory would part from step 1.
