@@ -8,9 +8,10 @@
 # .gpu_a/gguf.part0 (call "stage"), .gpu_e/gguf.mid (a "stage" call, beside .gpu_u) and
 # .gpu_b/gguf.part1 (call "launch": with the tracked files, ~14 MB, it must stay under 64 MiB).
 # Wheels missing there (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
-#   G=<the GGUF>; head -c 40000000 $G > .gpu_a/gguf.part0 &&
-#   tail -c +40000001 $G | head -c 20000000 > .gpu_e/gguf.mid && tail -c +60000001 $G > .gpu_b/gguf.part1
-# (40 / 20 / 38 MB: the tracked files are ~21 MB on 2026-12-07, and 46 MB pieces no longer fit beside them)
+#   G=<the GGUF>; head -c 36000000 $G > .gpu_a/gguf.part0 &&
+#   tail -c +36000001 $G | head -c 30000000 > .gpu_e/gguf.mid && tail -c +66000001 $G > .gpu_b/gguf.part1
+# (36 / 30 / 32 MB: the tracked files are ~26 MB on the evening of 2026-12-07, and a 40 MB piece with
+# .whl no longer fits beside them; the middle one travels with the user turns, 7 MB)
 #   cat .gpu_a/gguf.part0 .gpu_e/gguf.mid .gpu_b/gguf.part1 | sha256sum   # b179c9523d0e6a0f...
 #   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_u/sharegpt_user_turns.jsonl.gz
 # (the turns and .gpu_a together with the tracked files exceed a call's 64 MiB: carry .gpu_u in a
