@@ -6,7 +6,7 @@
 #
 # The SmolLM2 GGUF (98 MB) exceeds one call's 64 MiB, so it travels in three pieces:
 # .gpu_a/gguf.part0 (call "stage"), .gpu_e/gguf.mid (a "stage" call, beside .gpu_u) and
-# .gpu_b/gguf.part1 (call "launch": with the tracked files, ~14 MB, it must stay under 64 MiB).
+# .gpu_b/gguf.part1 (call "launch": with the tracked files, ~26 MB, it must stay under 64 MiB).
 # Wheels missing there (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
 #   G=<the GGUF>; head -c 36000000 $G > .gpu_a/gguf.part0 &&
 #   tail -c +36000001 $G | head -c 30000000 > .gpu_e/gguf.mid && tail -c +66000001 $G > .gpu_b/gguf.part1
