@@ -6,11 +6,11 @@
 #
 # The SmolLM2 GGUF (98 MB) exceeds one call's 64 MiB, so it travels in three pieces:
 # .gpu_a/gguf.part0 (call "stage"), .gpu_e/gguf.mid (a "stage" call, beside .gpu_u) and
-# .gpu_b/gguf.part1 (call "launch": with the tracked files, ~26 MB, it must stay under 64 MiB).
+# .gpu_b/gguf.part1 (call "launch": with the tracked files, ~25 MB, it must stay under 64 MiB).
 # Wheels missing there (gguf, tensorboardX) travel in .whl. Prepare the folders here with:
 #   G=<the GGUF>; head -c 36000000 $G > .gpu_a/gguf.part0 &&
 #   tail -c +36000001 $G | head -c 30000000 > .gpu_e/gguf.mid && tail -c +66000001 $G > .gpu_b/gguf.part1
-# (36 / 30 / 32 MB: the tracked files are ~26 MB on the evening of 2026-12-07, and a 40 MB piece with
+# (36 / 30 / 32 MB: the tracked files are ~25 MB on the evening of 2026-12-07, and a 40 MB piece with
 # .whl no longer fits beside them; the middle one travels with the user turns, 7 MB)
 #   cat .gpu_a/gguf.part0 .gpu_e/gguf.mid .gpu_b/gguf.part1 | sha256sum   # b179c9523d0e6a0f...
 #   python scripts/user_turns.py sharegpt /tmp/u.jsonl && gzip -9c /tmp/u.jsonl > .gpu_u/sharegpt_user_turns.jsonl.gz
